@@ -1,0 +1,156 @@
+"""How the global batch is split, and the micro-step loop of one optimizer step.
+
+global batch = micro-batch x accumulation steps x data-parallel ranks. The optimizer
+sees the gradient of the loss over the whole global batch, exactly, whatever the split:
+
+* a mean loss over a micro-batch of ``b`` samples is weighted ``b * world / global``
+  before its backward (``1 / accumulation_steps``), so the summed gradients are the
+  mean over the global batch (data-parallel averaging divides by ``world`` again);
+* a :class:`~leantrain.task.LossSum` runs backward on the un-normalised sum of each
+  micro-batch; once the step's micro-batches are done, the counts are summed over all
+  ranks and the gradients are scaled once by ``world / global_count``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from leantrain.config import TrainConfig
+from leantrain.errors import TaskError
+from leantrain.log.metrics import LossTracker
+from leantrain.precision import Precision
+from leantrain.task import LossSum
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The split of the global batch: ``micro x accumulation x world = global``."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        per_rank = self.global_batch_size // self.world_size
+        if per_rank * self.world_size != self.global_batch_size or per_rank % self.micro_batch_size:
+            raise ValueError(f"inconsistent batch plan {self}")
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, world_size: int = 1) -> BatchPlan:
+        cfg.validate(world_size)
+        per_rank = cfg.global_batch_size // world_size
+        return cls(cfg.global_batch_size, cfg.micro_batch_size or per_rank, world_size)
+
+    @property
+    def per_rank_batch_size(self) -> int:
+        return self.global_batch_size // self.world_size
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.per_rank_batch_size // self.micro_batch_size
+
+
+@dataclass
+class StepOutcome:
+    stepped: bool  # False when the precision skipped the update (fp16 overflow)
+    grad_norm: torch.Tensor | None  # total norm before clipping, on the device (no sync)
+
+
+LossFn = Callable[[nn.Module, Any], "torch.Tensor | LossSum"]
+
+
+class Accumulator:
+    """Runs the micro-steps of one optimizer step and gates the update.
+
+    ``no_sync`` is entered around forward *and* backward of every non-final micro-batch
+    (data-parallel wrappers then skip the gradient all-reduce); ``all_reduce_sum`` sums a
+    tensor over the data-parallel ranks. Both are the identity on one process.
+    """
+
+    def __init__(
+        self,
+        plan: BatchPlan,
+        precision: Precision,
+        max_grad_norm: float | None = None,
+        no_sync: Callable[[], AbstractContextManager[Any]] = nullcontext,
+        all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ) -> None:
+        self.plan = plan
+        self.precision = precision
+        self.max_grad_norm = max_grad_norm
+        self.no_sync = no_sync
+        self.all_reduce_sum = all_reduce_sum
+        self.mean_loss_weight = plan.micro_batch_size * plan.world_size / plan.global_batch_size
+
+    def step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        batches: Iterator[Any],
+        step_index: int,
+        tracker: LossTracker,
+    ) -> StepOutcome:
+        last = self.plan.accumulation_steps - 1
+        counts: list[torch.Tensor | int] = []
+        for micro in range(last + 1):
+            batch = next(batches)
+            with nullcontext() if micro == last else self.no_sync():
+                with self.precision.autocast():
+                    loss = loss_fn(model, batch)
+                self.precision.backward(self._backward_term(loss, micro, counts, step_index, tracker))
+        params = [p for p in model.parameters() if p.grad is not None]
+        if counts:
+            self._divide_by_global_count(params, counts)
+        grad_norm = self.precision.unscale_and_clip(optimizer, params, self.max_grad_norm)
+        stepped = self.precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(stepped, grad_norm)
+
+    def _backward_term(
+        self,
+        loss: Any,
+        micro: int,
+        counts: list[torch.Tensor | int],
+        step_index: int,
+        tracker: LossTracker,
+    ) -> torch.Tensor:
+        """The tensor to run backward on for one micro-batch; records the loss for logging."""
+        is_sum = isinstance(loss, LossSum)
+        if micro > 0 and is_sum != bool(counts):
+            raise TaskError("task.loss returned a LossSum for some micro-batches and a mean for others")
+        if is_sum:
+            _check_scalar(loss.sum, "LossSum.sum")
+            counts.append(loss.count)
+            tracker.add_sum(step_index, loss.sum.detach(), loss.count)
+            return loss.sum
+        _check_scalar(loss, "task.loss")
+        tracker.add_mean(step_index, loss.detach(), self.plan.micro_batch_size)
+        # Skipping the multiply when the weight is 1 keeps the single-batch path as lean
+        # as a hand-written loop.
+        return loss if self.mean_loss_weight == 1 else loss * self.mean_loss_weight
+
+    def _divide_by_global_count(self, params: list[torch.Tensor], counts: list[torch.Tensor | int]) -> None:
+        local = sum(counts)
+        if isinstance(local, int) and self.plan.world_size == 1:
+            factor: torch.Tensor | float = 1.0 / max(local, 1)
+        else:
+            device = params[0].device if params else None
+            total = self.all_reduce_sum(torch.as_tensor(local, dtype=torch.float64, device=device))
+            # Data-parallel averaging divides by world; multiplying by it restores the sum.
+            factor = self.plan.world_size / total.clamp(min=1)
+        if params:
+            torch._foreach_mul_([p.grad for p in params], factor)
+
+
+def _check_scalar(value: Any, what: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TaskError(f"{what} must be a tensor or lt.LossSum, got {type(value).__name__}")
+    if value.dim() != 0:
+        raise TaskError(f"{what} must be a scalar tensor, got shape {tuple(value.shape)}")

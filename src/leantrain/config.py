@@ -1,0 +1,250 @@
+"""TrainConfig: every setting of a run in one flat, typed, frozen dataclass.
+
+Fields are grouped by concern (the ``group`` in each field's metadata drives the
+sections of ``leantrain fit --help``). :meth:`TrainConfig.validate` is the one place
+where values are checked; it runs when the config is created, so an invalid
+``TrainConfig`` cannot exist, and it turns every bad value into a one-line
+:class:`~leantrain.errors.ConfigError` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from leantrain.errors import ConfigError
+
+Precision = Literal["32", "bf16-mixed", "16-mixed"]
+Strategy = Literal["auto", "single"]
+ProgressMode = Literal["auto", "rich", "plain", "none"]
+
+GROUPS = {
+    "batch": "Batch and schedule: the global batch defines the math",
+    "optimization": "Optimization",
+    "precision": "Precision",
+    "data": "Data loading",
+    "parallel": "Devices and parallelism",
+    "reproducibility": "Reproducibility",
+    "logging": "Logging and outputs",
+}
+
+# Epochs trained when neither max_steps nor max_epochs is given.
+DEFAULT_EPOCHS = 10
+
+
+def _field(default: Any, group: str, help: str) -> Any:
+    return field(default=default, metadata={"group": group, "help": help})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The settings of one training run. See ``leantrain fit --help`` for each field."""
+
+    # batch
+    global_batch_size: int = _field(64, "batch", "samples per optimizer step, summed over all processes")
+    micro_batch_size: int | None = _field(
+        None, "batch", "samples per forward/backward; null: the whole per-process batch"
+    )
+    max_steps: int | None = _field(None, "batch", "optimizer steps to train; the first limit reached stops")
+    max_epochs: int | None = _field(
+        None, "batch", f"passes over the training data; null: {DEFAULT_EPOCHS} when max_steps is null too"
+    )
+    shuffle: bool = _field(True, "batch", "shuffle the sample order each epoch, from (seed, epoch)")
+    # optimization
+    max_grad_norm: float | None = _field(
+        None, "optimization", "clip gradients to this total L2 norm; null: no clipping"
+    )
+    # precision
+    precision: Precision = _field("32", "precision", "number format of the forward and backward passes")
+    # data
+    num_workers: int = _field(0, "data", "DataLoader worker processes (0: load in the main process)")
+    pin_memory: bool | None = _field(None, "data", "page-locked host batches; null: on with CUDA only")
+    prefetch_factor: int | None = _field(
+        None, "data", "batches each worker loads ahead (needs workers); null: torch's default"
+    )
+    # parallel
+    device: str = _field("auto", "parallel", "auto (CUDA if present, else CPU), cpu, cuda, cuda:N or mps")
+    strategy: Strategy = _field("auto", "parallel", "how the work is spread over devices")
+    # reproducibility
+    seed: int = _field(0, "reproducibility", "seeds Python, NumPy, torch and the sample order")
+    deterministic: bool = _field(False, "reproducibility", "use only deterministic kernels (slower)")
+    # logging
+    out_dir: str | None = _field(None, "logging", "run folder; null: runs/<task>-<time>")
+    log_every_n_steps: int = _field(10, "logging", "read metrics from the device every N steps")
+    val_every_n_steps: int | None = _field(None, "logging", "validate every N steps; null: once, at the end")
+    progress: ProgressMode = _field(
+        "auto", "logging", "auto: a live bar on a terminal, plain lines otherwise"
+    )
+    tensorboard: bool = _field(True, "logging", "write TensorBoard event files into the run folder")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, world_size: int = 1) -> None:
+        """Raise :class:`ConfigError` for the first invalid value (world size: data-parallel ranks)."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not _matches(value, hints[f.name]):
+                raise ConfigError(f.name, value, f"must be {describe_type(hints[f.name])}")
+        for name, (check, allowed) in _VALUE_RULES.items():
+            value = getattr(self, name)
+            if value is not None and not check(value):
+                raise ConfigError(name, value, allowed)
+        self._validate_batch(world_size)
+        if self.prefetch_factor is not None and self.num_workers == 0:
+            raise ConfigError("prefetch_factor", self.prefetch_factor, "needs num_workers > 0")
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise ConfigError("device", self.device, "allowed: auto, cpu, cuda, cuda:N, mps")
+
+    def _validate_batch(self, world_size: int) -> None:
+        per_rank, rest = divmod(self.global_batch_size, world_size)
+        if rest:
+            raise ConfigError(
+                "global_batch_size",
+                self.global_batch_size,
+                f"must be a multiple of the world size {world_size}",
+            )
+        micro = self.micro_batch_size
+        if micro is not None and per_rank % micro:
+            divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+            raise ConfigError(
+                "micro_batch_size",
+                micro,
+                f"must divide the per-process batch {per_rank} (global_batch_size {self.global_batch_size}"
+                f" / world size {world_size}); allowed: {', '.join(map(str, divisors))}",
+            )
+
+    @property
+    def epoch_limit(self) -> int | None:
+        """The epoch limit in force: max_epochs, or the default when no limit is set at all."""
+        if self.max_epochs is None and self.max_steps is None:
+            return DEFAULT_EPOCHS
+        return self.max_epochs
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _positive(value: int | float) -> bool:
+    return value > 0
+
+
+# Value checks beyond the type, for fields whose value is not None.
+_VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "global_batch_size": (_positive, "must be a positive integer"),
+    "micro_batch_size": (_positive, "must be a positive integer"),
+    "max_steps": (_positive, "must be a positive integer"),
+    "max_epochs": (_positive, "must be a positive integer"),
+    "max_grad_norm": (_positive, "must be a positive number"),
+    "num_workers": (lambda v: v >= 0, "must be 0 or more"),
+    "prefetch_factor": (_positive, "must be a positive integer"),
+    "seed": (lambda v: 0 <= v < 2**63, "must be between 0 and 2**63 - 1"),
+    "log_every_n_steps": (_positive, "must be a positive integer"),
+    "val_every_n_steps": (_positive, "must be a positive integer"),
+}
+
+
+def _union_args(annotation: Any) -> tuple[Any, ...] | None:
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return typing.get_args(annotation)
+    return None
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` is of the (simple) annotated type; bool never passes for int."""
+    options = _union_args(annotation)
+    if options is not None:
+        return any(_matches(value, option) for option in options)
+    if typing.get_origin(annotation) is Literal:
+        return value in typing.get_args(annotation) and not isinstance(value, bool)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def describe_type(annotation: Any) -> str:
+    """Human words for an annotation: ``int | None`` -> "an integer or null"."""
+    options = _union_args(annotation)
+    if options is not None:
+        return " or ".join(describe_type(option) for option in options)
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + ", ".join(str(v) for v in typing.get_args(annotation))
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    return "null" if annotation is type(None) else words.get(annotation, annotation.__name__)
+
+
+def metavar(annotation: Any) -> str:
+    """A short placeholder for --help: ``INT|null``, ``{32,bf16-mixed}``, ``BOOL``."""
+    options = _union_args(annotation)
+    if options is not None:
+        return "|".join(metavar(option) for option in options)
+    if typing.get_origin(annotation) is Literal:
+        return "{" + ",".join(str(v) for v in typing.get_args(annotation)) + "}"
+    names = {int: "INT", float: "NUM", bool: "BOOL", str: "STR"}
+    return "null" if annotation is type(None) else names.get(annotation, annotation.__name__.upper())
+
+
+def coerce(raw: Any, annotation: Any) -> Any:
+    """Best-effort conversion of a command-line or YAML value to the annotated type.
+
+    Returns the value unchanged when it cannot be converted, so that ``validate()`` is
+    the one place that reports bad values, with the same message for the CLI, YAML and
+    Python.
+    """
+    if not isinstance(raw, str):
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            literal = _literal_text(annotation, str(raw))
+            if literal is not None:  # precision: 32 in YAML, "32" in the Literal
+                return literal
+        return raw
+    text = raw.strip()
+    options = _union_args(annotation) or (annotation,)
+    if type(None) in options and text.lower() in ("none", "null", ""):
+        return None
+    for option in options:
+        converted = _convert_scalar(text, option)
+        if converted is not None:
+            return converted
+    return raw
+
+
+def _literal_text(annotation: Any, text: str) -> str | None:
+    options = _union_args(annotation) or (annotation,)
+    for option in options:
+        if typing.get_origin(option) is Literal and text in typing.get_args(option):
+            return text
+    return None
+
+
+def _convert_scalar(text: str, option: Any) -> Any:
+    if typing.get_origin(option) is Literal:
+        return text if text in typing.get_args(option) else None
+    if option is bool:
+        return {"true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}.get(
+            text.lower()
+        )
+    if option is int:
+        return int(text) if re.fullmatch(r"[+-]?\d+", text) else None
+    if option is float:
+        try:
+            return float(text)
+        except ValueError:
+            return None
+    if option is str:
+        return text
+    return None

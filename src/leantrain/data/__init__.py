@@ -1,0 +1,1 @@
+"""Sample order (global-batch sampler), the DataLoader and the device prefetcher."""

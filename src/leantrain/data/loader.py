@@ -1,0 +1,146 @@
+"""The training DataLoader and the device prefetcher.
+
+The DataLoader is built once for the whole run around :class:`GlobalBatchSampler`,
+which spans every epoch, so worker processes never restart between epochs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+
+from leantrain.errors import DataError, TaskError
+
+
+class NamedItemErrors(Dataset):
+    """Wraps a map-style dataset so that a failing item names its index."""
+
+    def __init__(self, dataset: Dataset, name: str) -> None:
+        self.dataset = dataset
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self.dataset[index]
+        except Exception as error:
+            raise DataError(f"{self.name} item {index} failed: {type(error).__name__}: {error}") from error
+
+
+def check_map_style(dataset: Any, name: str) -> int:
+    """The dataset's length; TaskError when it is not a sized map-style dataset."""
+    if isinstance(dataset, IterableDataset):
+        raise TaskError(
+            f"{name} is an IterableDataset; leantrain's global-batch sampler needs a map-style "
+            "dataset (with __len__ and __getitem__)"
+        )
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise TaskError(
+            f"{name} must be a Dataset with __len__ and __getitem__, got {type(dataset).__name__}"
+        )
+    return len(dataset)
+
+
+def build_loader(
+    dataset: Dataset,
+    name: str,
+    *,
+    batch_sampler: Sampler[list[int]] | None = None,
+    batch_size: int | None = None,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+    seed: int = 0,
+) -> DataLoader:
+    """A DataLoader over ``dataset`` with item errors named; workers stay alive across epochs."""
+    return DataLoader(
+        NamedItemErrors(dataset, name),
+        batch_sampler=batch_sampler,
+        batch_size=batch_size if batch_sampler is None else 1,
+        shuffle=False,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=num_workers > 0,
+        # Worker seeds are drawn from this generator: augmentation is reproducible.
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor in a (nested) batch of tuples, lists and dicts to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return {key: move_to_device(value, device, non_blocking) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(move_to_device(value, device, non_blocking) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(value, device, non_blocking) for value in batch)
+    return batch
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from _tensors(value)
+
+
+class CudaPrefetcher:
+    """Copies the next batch to the GPU on a side stream while the current step computes.
+
+    Host batches should come from pinned memory so that ``non_blocking`` copies are truly
+    asynchronous. Before a batch is handed out, the compute stream waits for its copy,
+    and each tensor is marked as used by the compute stream so that the caching
+    allocator does not reuse its memory too early.
+    """
+
+    def __init__(self, batches: Iterable[Any], device: torch.device) -> None:
+        self._source = iter(batches)
+        self._device = device
+        self._stream = torch.cuda.Stream(device)
+        self._next: Any = None
+        self._done = False
+        self._load_next()
+
+    def _load_next(self) -> None:
+        try:
+            host_batch = next(self._source)
+        except StopIteration:
+            self._done = True
+            return
+        with torch.cuda.stream(self._stream):
+            self._next = move_to_device(host_batch, self._device, non_blocking=True)
+
+    def __iter__(self) -> CudaPrefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        compute = torch.cuda.current_stream(self._device)
+        compute.wait_stream(self._stream)
+        batch = self._next
+        for tensor in _tensors(batch):
+            tensor.record_stream(compute)
+        self._load_next()
+        return batch
+
+
+def device_batches(batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
+    """Batches on ``device``: prefetched on CUDA, moved as they come elsewhere, as is on CPU."""
+    if device.type == "cuda":
+        return CudaPrefetcher(batches, device)
+    if device.type == "cpu":
+        return iter(batches)  # already there: no copy, no per-batch overhead
+    return (move_to_device(batch, device) for batch in batches)

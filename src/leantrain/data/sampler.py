@@ -1,0 +1,85 @@
+"""The order of samples: defined by the global batch, never by the split.
+
+Epoch ``e``'s order is a permutation drawn from ``(seed, e)``. Global step ``s`` of the
+run takes the next ``global_batch_size`` indices of that order (a last partial global
+batch is dropped, so every step has the same size and ``s`` alone fixes the epoch and
+the position in it). Rank ``r`` takes the ``r``-th contiguous share of the global
+batch, and that share is cut into micro-batches in order. So the set of samples in
+each optimizer step depends only on the seed and the global batch size, and resuming
+at step ``s`` needs nothing but ``s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from leantrain.batching import BatchPlan
+from leantrain.errors import LeantrainError
+
+
+def steps_per_epoch(dataset_size: int, plan: BatchPlan) -> int:
+    """Whole global batches in one pass over the data (a last partial one is dropped)."""
+    if dataset_size < plan.global_batch_size:
+        raise LeantrainError(
+            f"the training data has {dataset_size} samples, fewer than one global batch "
+            f"(global_batch_size={plan.global_batch_size})"
+        )
+    return dataset_size // plan.global_batch_size
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields this rank's micro-batches (lists of indices) for steps ``start_step..total_steps-1``."""
+
+    def __init__(
+        self,
+        dataset_size: int,
+        plan: BatchPlan,
+        total_steps: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        start_step: int = 0,
+    ) -> None:
+        self._steps_per_epoch = steps_per_epoch(dataset_size, plan)
+        self.dataset_size = dataset_size
+        self.plan = plan
+        self.total_steps = total_steps
+        self.seed = seed
+        self.shuffle = shuffle
+        self.rank = rank
+        self.start_step = start_step
+        self._cached_epoch: int | None = None
+        self._cached_order: np.ndarray | None = None
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The permutation of all indices for one epoch."""
+        if epoch != self._cached_epoch:
+            if self.shuffle:
+                rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
+                self._cached_order = rng.permutation(self.dataset_size)
+            else:
+                self._cached_order = np.arange(self.dataset_size)
+            self._cached_epoch = epoch
+        assert self._cached_order is not None
+        return self._cached_order
+
+    def global_batch(self, step: int) -> np.ndarray:
+        """All indices of global step ``step`` (every rank's share)."""
+        epoch, position = divmod(step, self._steps_per_epoch)
+        size = self.plan.global_batch_size
+        return self.epoch_order(epoch)[position * size : (position + 1) * size]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        share = self.plan.per_rank_batch_size
+        micro = self.plan.micro_batch_size
+        for step in range(self.start_step, self.total_steps):
+            mine = self.global_batch(step)[self.rank * share : (self.rank + 1) * share]
+            for start in range(0, share, micro):
+                yield mine[start : start + micro].tolist()
+
+    def __len__(self) -> int:
+        return max(self.total_steps - self.start_step, 0) * self.plan.accumulation_steps

@@ -1,0 +1,48 @@
+"""User-facing errors: each one is a single line that names what is wrong.
+
+The CLI prints ``str(error)`` for any :class:`LeantrainError` (no traceback) and exits
+with code 2. Everything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class LeantrainError(Exception):
+    """Base class of errors caused by the user's input (config, task, data, files)."""
+
+
+class ConfigError(LeantrainError, ValueError):
+    """An invalid configuration value; names the field, the value and what is allowed."""
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"invalid {field}={value!r}: {allowed}")
+
+
+class TaskError(LeantrainError):
+    """A task that cannot be found, imported or built, or that breaks the Task protocol."""
+
+
+class DataError(LeantrainError):
+    """A dataset item that failed to load; the message names the item's index.
+
+    When the item fails inside a DataLoader worker process, torch re-raises the error in
+    the main process as ``DataError(full_worker_traceback)``. We keep that traceback in
+    ``details`` and reduce the message to our own one-line summary, which is the last
+    line of the traceback.
+    """
+
+    def __init__(self, message: str) -> None:
+        self.details = message
+        if "\n" in message:
+            marker = f"{type(self).__name__}: "
+            lines = [line for line in message.splitlines() if marker in line]
+            if lines:
+                message = lines[-1].split(marker, 1)[1]
+        super().__init__(message)
+
+
+class NonFiniteLossError(LeantrainError):
+    """The training loss became NaN or infinite; the message names the step."""

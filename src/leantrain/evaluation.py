@@ -1,0 +1,62 @@
+"""Validation: the task's loss and metrics over a whole dataset, read once at the end."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from leantrain.data.loader import device_batches
+from leantrain.errors import TaskError
+from leantrain.precision import Precision
+from leantrain.task import LossSum
+
+
+def batch_size_of(batch: Any) -> int:
+    """The number of samples in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        try:
+            return batch_size_of(value)
+        except TaskError:
+            continue
+    raise TaskError(f"cannot tell the batch size of a {type(batch).__name__} batch: it holds no tensor")
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, task: Any, batches: Iterable[Any], device: torch.device, precision: Precision
+) -> dict[str, float]:
+    """Mean loss (``val_loss``) and mean of each task metric (``val_<name>``), weighted by samples.
+
+    Sums stay on the device until the end: one host sync per validation.
+    """
+    metrics_fn = getattr(task, "metrics", None)
+    sums: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | int] = {}
+
+    def add(name: str, total: torch.Tensor, weight: torch.Tensor | int) -> None:
+        sums[name] = sums.get(name, 0) + total.detach().double()
+        weights[name] = weights.get(name, 0) + weight
+
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in device_batches(batches, device):
+            samples = batch_size_of(batch)
+            with precision.autocast():
+                loss = task.loss(model, batch)
+                extra = metrics_fn(model, batch) if callable(metrics_fn) else {}
+            if isinstance(loss, LossSum):
+                add("loss", loss.sum, loss.count)
+            else:
+                add("loss", loss * samples, samples)
+            for name, value in extra.items():
+                add(name, torch.as_tensor(value).mean() * samples, samples)
+    finally:
+        model.train(was_training)
+    return {f"val_{name}": float(sums[name] / weights[name]) for name in sums}

@@ -1,0 +1,1 @@
+"""Metrics kept on the device, and the sinks and progress display that read them."""

@@ -1,0 +1,65 @@
+"""Training loss kept on the device and read only at log points.
+
+Adding a micro-batch's loss is a list append of a detached tensor: no kernel, no host
+sync and no autograd graph kept alive. :meth:`LossTracker.read` is the one sync point,
+called every ``log_every_n_steps`` steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossWindow:
+    """The losses of the optimizer steps since the previous read."""
+
+    mean_loss: float  # over every sample (or element, for LossSum) in the window
+    last_step_loss: float  # over the last optimizer step's global batch (this rank's share)
+    first_nonfinite_step: int | None  # the first step whose loss was NaN or inf
+
+
+class LossTracker:
+    def __init__(self) -> None:
+        self._steps: list[int] = []
+        self._totals: list[torch.Tensor] = []  # a mean loss, or a LossSum's sum
+        self._weights: list[torch.Tensor | int] = []  # samples of a mean, or the LossSum's count
+        self._is_mean: list[bool] = []
+
+    def add_mean(self, step: int, loss: torch.Tensor, samples: int) -> None:
+        self._append(step, loss, samples, True)
+
+    def add_sum(self, step: int, loss_sum: torch.Tensor, count: torch.Tensor | int) -> None:
+        self._append(step, loss_sum, count, False)
+
+    def _append(self, step: int, total: torch.Tensor, weight: torch.Tensor | int, is_mean: bool) -> None:
+        self._steps.append(step)
+        self._totals.append(total)
+        self._weights.append(weight)
+        self._is_mean.append(is_mean)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def read(self) -> LossWindow | None:
+        """Reduce and clear the window (a host sync); None when nothing was added."""
+        if not self._steps:
+            return None
+        device = self._totals[0].device
+        totals = torch.stack([t.to(torch.float64) for t in self._totals])
+        weights = torch.stack([torch.as_tensor(w, device=device).to(torch.float64) for w in self._weights])
+        totals, weights = torch.stack([totals, weights]).cpu()  # the one host sync
+        is_mean = torch.tensor(self._is_mean)
+        sums = torch.where(is_mean, totals * weights, totals)
+        steps = torch.tensor(self._steps)
+        last = steps == steps[-1]
+        bad = ~torch.isfinite(sums)
+        window = LossWindow(
+            mean_loss=float(sums.sum() / weights.sum().clamp(min=1)),
+            last_step_loss=float(sums[last].sum() / weights[last].sum().clamp(min=1)),
+            first_nonfinite_step=int(steps[bad][0]) if bool(bad.any()) else None,
+        )
+        self._steps, self._totals, self._weights, self._is_mean = [], [], [], []
+        return window

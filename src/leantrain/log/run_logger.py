@@ -1,0 +1,28 @@
+"""The run's log: metrics to the sinks, progress to the terminal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from leantrain.log.progress import make_progress
+from leantrain.log.sinks import CSVSink, Sink, TensorBoardSink
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, total_steps: int, progress: str, tensorboard: bool) -> None:
+        self.sinks: list[Sink] = [CSVSink(run_dir / "metrics.csv")]
+        if tensorboard:
+            self.sinks.append(TensorBoardSink(run_dir))
+        self.progress = make_progress(progress, total_steps)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for sink in self.sinks:
+            sink.write(step, metrics)
+
+    def message(self, text: str) -> None:
+        self.progress.message(text)
+
+    def close(self) -> None:
+        self.progress.close()
+        for sink in self.sinks:
+            sink.close()

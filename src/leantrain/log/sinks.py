@@ -1,0 +1,69 @@
+"""Where logged metrics go: a CSV file and TensorBoard event files."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Protocol
+
+
+class Sink(Protocol):
+    def write(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class CSVSink:
+    """``metrics.csv``: one row per log point, one column per metric name.
+
+    Validation metrics appear only after the first validation, so a new column can
+    arrive late; the file is then rewritten once with the wider header.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.columns: list[str] = ["step"]
+        self.rows: list[dict[str, float]] = []
+        self._file = path.open("w", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=self.columns)
+        self._writer.writeheader()
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **metrics}
+        self.rows.append(row)
+        new = [name for name in row if name not in self.columns]
+        if new:
+            self.columns.extend(new)
+            self._rewrite()
+        else:
+            self._writer.writerow(row)
+        self._file.flush()
+
+    def _rewrite(self) -> None:
+        self._file.close()
+        self._file = self.path.open("w", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=self.columns)
+        self._writer.writeheader()
+        self._writer.writerows(self.rows)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    """TensorBoard event files in the run folder (``tensorboard --logdir DIR``)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
+
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self._writer.add_scalar(name.replace("_", "/", 1), value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

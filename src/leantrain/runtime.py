@@ -1,0 +1,63 @@
+"""The process's surroundings: which device, seeding, deterministic kernels, peak memory."""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from leantrain.errors import ConfigError
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when present, else CPU; an unavailable device is a ConfigError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device", name, "CUDA is not available on this machine; use auto or cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError("device", name, f"this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device", name, "MPS is not available on this machine; use auto or cpu")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@contextmanager
+def deterministic_kernels(enabled: bool) -> Iterator[None]:
+    """Only deterministic kernels inside the block (when enabled); the previous mode after it."""
+    if not enabled:
+        yield
+        return
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
+    # cuBLAS needs a fixed workspace to be deterministic; it must be set before its first use.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0])
+        torch.backends.cudnn.benchmark = previous[1]
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of the run: allocated bytes on CUDA, the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux

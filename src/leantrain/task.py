@@ -1,0 +1,83 @@
+"""The Task protocol (what the user provides), LossSum, and loading a task by name.
+
+A task is any object with the methods below: no base class to inherit. Optional
+methods may simply be absent.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Iterable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from leantrain.errors import TaskError
+
+
+class LossSum(NamedTuple):
+    """A loss given as a sum over elements (e.g. tokens) and the number of elements.
+
+    The engine divides the sum over the whole global batch by the global count, so the
+    result is exact however the batch is split into micro-batches and processes.
+    ``count`` may be an int or a tensor (e.g. the number of unmasked tokens).
+    """
+
+    sum: torch.Tensor
+    count: torch.Tensor | int
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What leantrain needs to train a model.
+
+    Optional methods, used when present:
+    ``val_data() -> Dataset | None``, ``scheduler(optimizer) -> LRScheduler``,
+    ``metrics(model, batch) -> dict[str, Tensor]`` (means over the batch, computed in
+    evaluation on the validation data).
+    """
+
+    def model(self) -> nn.Module: ...
+
+    def train_data(self) -> Dataset: ...
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor | LossSum: ...
+
+    def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer: ...
+
+
+REQUIRED_METHODS = ("model", "train_data", "loss", "optimizer")
+
+
+def check_task(task: Any, name: str) -> Any:
+    """Raise TaskError unless ``task`` has every required method."""
+    missing = [m for m in REQUIRED_METHODS if not callable(getattr(task, m, None))]
+    if missing:
+        raise TaskError(f"task {name} lacks the method(s) {', '.join(missing)} that lt.Task requires")
+    return task
+
+
+def load_task(spec: str) -> Any:
+    """Build a task from ``"pkg.module:Name"`` (a class or a zero-argument factory)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise TaskError(f"task {spec!r} is not of the form 'pkg.module:Name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise TaskError(f"task {spec!r}: cannot import module {module_name!r}: {error}") from error
+    target = getattr(module, attr, None)
+    if target is None:
+        raise TaskError(f"task {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(target):
+        raise TaskError(f"task {spec!r}: {attr!r} is neither a class nor a factory function")
+    try:
+        inspect.signature(target).bind()
+    except TypeError as error:
+        raise TaskError(f"task {spec!r}: {attr!r} must be callable with no arguments ({error})") from error
+    except ValueError:  # builtins without a signature: let the call below decide
+        pass
+    return check_task(target(), repr(spec))

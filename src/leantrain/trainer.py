@@ -1,0 +1,265 @@
+"""Trainer.fit: builds the pieces of a run from the config, then runs a short loop.
+
+Every piece is chosen once, before the loop: the device, the precision, the batch plan
+and its accumulator, the sampler and loader, the logger. The loop itself makes no host
+synchronisation between log points: losses stay on the device (``LossTracker``) and
+are read every ``log_every_n_steps`` steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from leantrain.batching import Accumulator, BatchPlan, StepOutcome
+from leantrain.checkpoint import export_weights
+from leantrain.config import TrainConfig
+from leantrain.data.loader import build_loader, check_map_style, device_batches
+from leantrain.data.sampler import GlobalBatchSampler, steps_per_epoch
+from leantrain.errors import LeantrainError, NonFiniteLossError, TaskError
+from leantrain.evaluation import evaluate
+from leantrain.files import atomic_write_json
+from leantrain.log.metrics import LossTracker
+from leantrain.log.run_logger import RunLogger
+from leantrain.precision import make_precision
+from leantrain.runtime import deterministic_kernels, peak_memory_bytes, resolve_device, seed_everything
+from leantrain.task import check_task
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int  # optimizer steps completed
+    stepped: bool
+    grad_norm: torch.Tensor | None  # on the device: reading it is a host sync
+
+
+class Callback(Protocol):
+    """Extension point: both methods are optional."""
+
+    def on_step(self, stats: StepStats) -> None: ...
+
+    def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+
+@dataclass
+class FitResult:
+    """What a run did; ``summary()`` is what ``summary.json`` holds."""
+
+    steps: int
+    samples: int
+    final_train_loss: float
+    samples_per_second: float
+    wall_seconds: float
+    micro_batch_size: int
+    accumulation_steps: int
+    world_size: int
+    precision: str
+    strategy: str
+    peak_memory_bytes: int
+    global_batch_size: int
+    device: str
+    val_metrics: dict[str, float] = field(default_factory=dict)
+    out_dir: Path | None = None
+    model: nn.Module | None = field(default=None, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items() if k not in ("val_metrics", "out_dir", "model")}
+        return {**data, **self.val_metrics, "out_dir": str(self.out_dir)}
+
+
+class Trainer:
+    """Trains a :class:`~leantrain.task.Task` as the :class:`TrainConfig` says."""
+
+    def __init__(self, config: TrainConfig | None = None, callbacks: Sequence[Callback] = ()) -> None:
+        self.config = config or TrainConfig()
+        self.callbacks = list(callbacks)
+
+    def fit(self, task: Any, name: str | None = None) -> FitResult:
+        """Train ``task``; ``name`` labels the default run folder (default: the task's class name)."""
+        started = time.perf_counter()
+        cfg = self.config
+        name = name or type(task).__name__
+        check_task(task, name)
+        device = resolve_device(cfg.device)
+        run_dir = _prepare_run_dir(cfg.out_dir, name)
+        with deterministic_kernels(cfg.deterministic):
+            seed_everything(cfg.seed)
+            run = _Run(cfg, task, device, run_dir)
+            try:
+                run.train(self.callbacks)
+            finally:
+                run.logger.close()
+            return run.finish(started)
+
+
+class _Run:
+    """The pieces of one run, built from the config before the loop starts."""
+
+    def __init__(self, cfg: TrainConfig, task: Any, device: torch.device, run_dir: Path) -> None:
+        self.cfg, self.task, self.device, self.run_dir = cfg, task, device, run_dir
+        self.plan = BatchPlan.from_config(cfg, world_size=1)
+        self.model = _build_model(task, device)
+        self.optimizer = task.optimizer(self.model.parameters())
+        scheduler_fn = getattr(task, "scheduler", None)
+        self.scheduler = scheduler_fn(self.optimizer) if callable(scheduler_fn) else None
+        self.precision = make_precision(cfg.precision, device)
+        self.accumulator = Accumulator(self.plan, self.precision, cfg.max_grad_norm)
+
+        train_data = task.train_data()
+        dataset_size = check_map_style(train_data, "train_data")
+        self.steps_per_epoch = steps_per_epoch(dataset_size, self.plan)
+        epoch_steps = cfg.epoch_limit and cfg.epoch_limit * self.steps_per_epoch
+        self.total_steps = min(limit for limit in (cfg.max_steps, epoch_steps) if limit)
+        pin = cfg.pin_memory if cfg.pin_memory is not None else device.type == "cuda"
+        loader_options = dict(
+            num_workers=cfg.num_workers, pin_memory=pin, prefetch_factor=cfg.prefetch_factor, seed=cfg.seed
+        )
+        sampler = GlobalBatchSampler(
+            dataset_size, self.plan, self.total_steps, seed=cfg.seed, shuffle=cfg.shuffle
+        )
+        self.train_loader = build_loader(train_data, "train_data", batch_sampler=sampler, **loader_options)
+        val_fn = getattr(task, "val_data", None)
+        val_data = val_fn() if callable(val_fn) else None
+        self.val_loader = None
+        if val_data is not None:
+            check_map_style(val_data, "val_data")
+            batch = self.plan.micro_batch_size
+            self.val_loader = build_loader(val_data, "val_data", batch_size=batch, **loader_options)
+        self.logger = RunLogger(run_dir, self.total_steps, cfg.progress, cfg.tensorboard)
+        self.logger.message(
+            f"training {self.total_steps} steps of {self.plan.global_batch_size} samples "
+            f"(micro-batch {self.plan.micro_batch_size} x {self.plan.accumulation_steps} accumulation), "
+            f"precision {self.precision.name}, on {device}, into {run_dir}"
+        )
+        self.tracker = LossTracker()
+        self.val_metrics: dict[str, float] = {}
+        self.train_seconds = 0.0  # in the loop, validation excluded
+        self.steps_done = 0
+        self.final_train_loss = float("nan")
+
+    def train(self, callbacks: Sequence[Callback]) -> None:
+        cfg, model, optimizer, task = self.cfg, self.model, self.optimizer, self.task
+        batches = device_batches(self.train_loader, self.device)
+        model.train()
+        window_started = time.perf_counter()
+        window_first_step = 0
+        for step in range(self.total_steps):
+            outcome = self.accumulator.step(model, optimizer, task.loss, batches, step, self.tracker)
+            if outcome.stepped and self.scheduler is not None:
+                self.scheduler.step()
+            done = step + 1
+            for callback in callbacks:
+                if hasattr(callback, "on_step"):
+                    callback.on_step(StepStats(done, outcome.stepped, outcome.grad_norm))
+            if done % cfg.log_every_n_steps == 0 or done == self.total_steps:
+                self._log_point(done, done - window_first_step, window_started, outcome, callbacks)
+                window_first_step, window_started = done, time.perf_counter()
+            if cfg.val_every_n_steps and done % cfg.val_every_n_steps == 0 and done < self.total_steps:
+                window_started += self._validate(done, callbacks)
+        self.steps_done = self.total_steps
+        if self.val_loader is not None:
+            self._validate(self.total_steps, callbacks)
+
+    def _log_point(
+        self,
+        done: int,
+        window_steps: int,
+        window_started: float,
+        outcome: StepOutcome,
+        callbacks: Sequence[Any],
+    ) -> None:
+        """Read the device-side metrics (the host sync of this window) and write them out."""
+        window = self.tracker.read()
+        assert window is not None
+        if window.first_nonfinite_step is not None:
+            raise NonFiniteLossError(
+                f"the training loss is not finite at step {window.first_nonfinite_step + 1} "
+                f"(loss over steps {done - window_steps + 1}..{done}: {window.mean_loss})"
+            )
+        seconds = max(time.perf_counter() - window_started, 1e-9)
+        self.train_seconds += seconds
+        speed = window_steps * self.plan.global_batch_size / seconds
+        self.final_train_loss = window.last_step_loss
+        metrics = {
+            "train_loss": window.mean_loss,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "epoch": (done - 1) // self.steps_per_epoch,
+            "samples_per_second": speed,
+        }
+        if outcome.grad_norm is not None:
+            metrics["grad_norm"] = float(outcome.grad_norm)
+        self.logger.log(done, metrics)
+        remaining = (self.total_steps - done) * self.plan.global_batch_size / speed
+        self.logger.progress.update(done, window.mean_loss, speed, remaining)
+        for callback in callbacks:
+            if hasattr(callback, "on_log"):
+                callback.on_log(done, metrics)
+
+    def _validate(self, done: int, callbacks: Sequence[Any]) -> float:
+        """Validate, log the metrics and return the seconds it took."""
+        assert self.val_loader is not None
+        started = time.perf_counter()
+        self.val_metrics = evaluate(self.model, self.task, self.val_loader, self.device, self.precision)
+        self.logger.log(done, self.val_metrics)
+        self.logger.message(
+            f"validation at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.val_metrics.items())
+        )
+        for callback in callbacks:
+            if hasattr(callback, "on_log"):
+                callback.on_log(done, self.val_metrics)
+        return time.perf_counter() - started
+
+    def finish(self, started: float) -> FitResult:
+        """Write the weights and summary.json; return the result."""
+        export_weights(self.model, self.run_dir / "model.safetensors")
+        samples = self.steps_done * self.plan.global_batch_size
+        result = FitResult(
+            steps=self.steps_done,
+            samples=samples,
+            final_train_loss=self.final_train_loss,
+            samples_per_second=samples / max(self.train_seconds, 1e-9),
+            wall_seconds=time.perf_counter() - started,
+            micro_batch_size=self.plan.micro_batch_size,
+            accumulation_steps=self.plan.accumulation_steps,
+            world_size=self.plan.world_size,
+            precision=self.precision.name,
+            strategy="single",
+            peak_memory_bytes=peak_memory_bytes(self.device),
+            global_batch_size=self.plan.global_batch_size,
+            device=str(self.device),
+            val_metrics=dict(self.val_metrics),
+            out_dir=self.run_dir,
+            model=self.model,
+        )
+        atomic_write_json(self.run_dir / "summary.json", result.summary())
+        return result
+
+
+def _build_model(task: Any, device: torch.device) -> nn.Module:
+    model = task.model()
+    if not isinstance(model, nn.Module):
+        raise TaskError(f"task.model() must return a torch.nn.Module, got {type(model).__name__}")
+    return model.to(device)
+
+
+def _prepare_run_dir(out_dir: str | None, name: str) -> Path:
+    """The run folder; refuses one that already holds a run, so that nothing is overwritten."""
+    if out_dir is None:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = Path("runs") / f"{name}-{stamp}"
+    else:
+        path = Path(out_dir)
+    if path.is_file():
+        raise LeantrainError(f"out_dir {path} is a file, not a folder")
+    for marker in ("metrics.csv", "summary.json"):
+        if (path / marker).exists():
+            raise LeantrainError(f"out_dir {path} already holds a run ({marker}); choose another out_dir")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
