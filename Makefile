@@ -22,13 +22,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/leantrain fit
 
-# pytest exits 5 when it collected no test: that is a failure, not a pass.
+# Lint first (cheap), then the suite. pytest exits 5 when it collected no test: that
+# is a failure, not a pass.
 test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
 bench: $(STAMP)

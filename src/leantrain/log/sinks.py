@@ -51,6 +51,12 @@ class CSVSink:
         self._file.close()
 
 
+def tensorboard_tag(name: str) -> str:
+    """``val_loss`` -> ``val/loss``, ``train_loss`` -> ``train/loss``, ``lr`` -> ``train/lr``."""
+    split, sep, rest = name.partition("_")
+    return f"{split}/{rest}" if sep and split in ("train", "val") else f"train/{name}"
+
+
 class TensorBoardSink:
     """TensorBoard event files in the run folder (``tensorboard --logdir DIR``)."""
 
@@ -62,7 +68,7 @@ class TensorBoardSink:
     def write(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
-                self._writer.add_scalar(name.replace("_", "/", 1), value, step)
+                self._writer.add_scalar(tensorboard_tag(name), value, step)
         self._writer.flush()
 
     def close(self) -> None:

@@ -1,0 +1,426 @@
+"""Per-step overhead of ``leantrain.Trainer.fit`` against a hand-written PyTorch loop.
+
+Every contender trains the same tiny MLP on the same CPU data (fp32, batch 32) and
+stamps ``time.perf_counter()`` right after each optimizer step. A contender's step
+time is the median of the gaps between consecutive stamps, warm-up steps dropped.
+The model is so small that the framework's Python work per step is a visible share
+of the step: this measures the engine, not the math.
+
+Contenders run interleaved in one process, several rounds, the order rotating each
+round, so that slow drift of a noisy machine (other load, frequency changes) hits all
+of them alike. Only the side-by-side ratios are meant to be compared across machines.
+
+    python benchmarks/overhead.py            # full run; writes benchmarks/results/overhead.md
+    python benchmarks/overhead.py --quick    # smoke run; prints the table only
+
+PyTorch Lightning and Hugging Face Accelerate are timed when importable
+(``pip install -e ".[bench]"``) and listed as skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import itertools
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import leantrain as lt
+
+SAMPLES, FEATURES, HIDDEN, CLASSES = 4096, 64, 256, 10
+BATCH_SIZE = 32
+LEARNING_RATE, MOMENTUM = 0.05, 0.9
+DATA_SEED, INIT_SEED, ORDER_SEED = 1234, 0, 0
+# leantrain's default: a host sync and a metrics.csv row every 10 steps. Kept as in a
+# real run; the median step time is insensitive to it, the mean column shows its cost.
+LEANTRAIN_LOG_EVERY = 10
+THREADS = 1
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overhead.md"
+
+# A contender trains for ``steps`` optimizer steps and returns one perf_counter() stamp
+# taken right after each step.
+RunFn = Callable[[Dataset, int], list[float]]
+
+
+# ---------------------------------------------------------------------------------------
+# The shared work: data, model, optimizer, loss
+
+
+def make_dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(DATA_SEED)
+    features = torch.randn(SAMPLES, FEATURES, generator=generator, dtype=torch.float32)
+    labels = torch.randint(0, CLASSES, (SAMPLES,), generator=generator)
+    return TensorDataset(features, labels)
+
+
+def make_model() -> nn.Module:
+    # A forked RNG: every contender starts from identical weights, whatever the global
+    # RNG state the previous contender (or leantrain's seeding) left behind.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(INIT_SEED)
+        return nn.Sequential(
+            nn.Linear(FEATURES, HIDDEN),
+            nn.ReLU(),
+            nn.Linear(HIDDEN, HIDDEN),
+            nn.ReLU(),
+            nn.Linear(HIDDEN, CLASSES),
+        )
+
+
+def make_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LEARNING_RATE, momentum=MOMENTUM)
+
+
+def batch_loss(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    features, labels = batch
+    return F.cross_entropy(model(features), labels)
+
+
+def make_loader(dataset: Dataset) -> DataLoader:
+    """Shuffled, whole batches only, loaded in the main process: what leantrain's sampler gives."""
+    return DataLoader(
+        dataset,
+        batch_size=BATCH_SIZE,
+        shuffle=True,
+        drop_last=True,
+        num_workers=0,
+        generator=torch.Generator().manual_seed(ORDER_SEED),
+    )
+
+
+def endless(loader: DataLoader) -> Iterable[Any]:
+    """Batches epoch after epoch, as a loop bounded by steps rather than epochs reads them."""
+    while True:
+        yield from loader
+
+
+# ---------------------------------------------------------------------------------------
+# Contenders
+
+
+def run_hand_written(dataset: Dataset, steps: int) -> list[float]:
+    model = make_model()
+    optimizer = make_optimizer(model.parameters())
+    model.train()
+    stamps: list[float] = []
+    for batch in endless(make_loader(dataset)):
+        loss = batch_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        stamps.append(time.perf_counter())
+        if len(stamps) == steps:
+            break
+    return stamps
+
+
+class MLPTask:
+    """The leantrain task: the same model, data, loss and optimizer as the other contenders."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def model(self) -> nn.Module:
+        return make_model()
+
+    def train_data(self) -> Dataset:
+        return self.dataset
+
+    def loss(self, model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        return batch_loss(model, batch)
+
+    def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return make_optimizer(params)
+
+
+class StepClock:
+    """leantrain callback: one stamp per optimizer step."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_step(self, stats: lt.StepStats) -> None:
+        self.stamps.append(time.perf_counter())
+
+
+def run_leantrain(dataset: Dataset, steps: int) -> list[float]:
+    clock = StepClock()
+    # The run folder (metrics.csv, summary.json, weights) goes to a scratch directory.
+    with tempfile.TemporaryDirectory(prefix="leantrain-bench-") as scratch:
+        config = lt.TrainConfig(
+            global_batch_size=BATCH_SIZE,
+            max_steps=steps,
+            seed=ORDER_SEED,
+            device="cpu",
+            out_dir=str(Path(scratch) / "run"),
+            log_every_n_steps=LEANTRAIN_LOG_EVERY,
+            progress="none",
+            tensorboard=False,
+        )
+        lt.Trainer(config, callbacks=[clock]).fit(MLPTask(dataset))
+    return clock.stamps
+
+
+def import_lightning() -> ModuleType | None:
+    """``lightning.pytorch`` (the unified package) or the standalone ``pytorch_lightning``."""
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
+def run_lightning(dataset: Dataset, steps: int) -> list[float]:
+    pl = import_lightning()
+    assert pl is not None
+
+    class MLPModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model()
+
+        def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return batch_loss(self.net, batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return make_optimizer(self.parameters())
+
+    class LightningClock(pl.Callback):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        # Called after the optimizer step of the batch under automatic optimization.
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
+            self.stamps.append(time.perf_counter())
+
+    clock = LightningClock()
+    with tempfile.TemporaryDirectory(prefix="lightning-bench-") as scratch, warnings.catch_warnings():
+        # "does not have many workers" and similar advice: num_workers=0 is deliberate.
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            max_epochs=-1,
+            enable_checkpointing=False,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=scratch,
+            callbacks=[clock],
+        )
+        trainer.fit(MLPModule(), train_dataloaders=make_loader(dataset))
+    return clock.stamps
+
+
+def run_accelerate(dataset: Dataset, steps: int) -> list[float]:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = make_model()
+    optimizer = make_optimizer(model.parameters())
+    model, optimizer, loader = accelerator.prepare(model, optimizer, make_loader(dataset))
+    model.train()
+    stamps: list[float] = []
+    for batch in endless(loader):
+        loss = batch_loss(model, batch)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        stamps.append(time.perf_counter())
+        if len(stamps) == steps:
+            break
+    accelerator.free_memory()
+    return stamps
+
+
+@dataclass
+class Contender:
+    name: str
+    run: RunFn
+    skipped: str | None = None  # why it is not timed
+    medians: list[float] = field(default_factory=list)  # seconds per step, one per round
+    means: list[float] = field(default_factory=list)
+
+
+def importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def contenders() -> list[Contender]:
+    hint = 'not installed (pip install -e ".[bench]")'
+    lightning = import_lightning()
+    return [
+        Contender("hand-written loop", run_hand_written),
+        Contender("leantrain", run_leantrain),
+        Contender("PyTorch Lightning", run_lightning, None if lightning else hint),
+        Contender("HF Accelerate", run_accelerate, None if importable("accelerate") else hint),
+    ]
+
+
+# ---------------------------------------------------------------------------------------
+# Measuring
+
+
+def step_seconds(stamps: Sequence[float], warmup: int) -> list[float]:
+    """Gaps between consecutive step-end stamps, the first ``warmup`` dropped."""
+    gaps = [later - earlier for earlier, later in itertools.pairwise(stamps)]
+    return gaps[warmup:]
+
+
+def measure(timed: list[Contender], dataset: Dataset, steps: int, rounds: int, warmup: int) -> None:
+    for round_index in range(rounds):
+        # Rotate the order: no contender is always first (cold caches) or last.
+        shift = round_index % len(timed)
+        for contender in timed[shift:] + timed[:shift]:
+            # Every run starts from the same state: no garbage left by the previous one,
+            # and one intra-op thread even if a framework changed it.
+            gc.collect()
+            torch.set_num_threads(THREADS)
+            stamps = contender.run(dataset, steps)
+            if len(stamps) != steps:
+                raise RuntimeError(f"{contender.name} ran {len(stamps)} steps, expected {steps}")
+            gaps = step_seconds(stamps, warmup)
+            contender.medians.append(statistics.median(gaps))
+            contender.means.append(statistics.fmean(gaps))
+            print(
+                f"round {round_index + 1}/{rounds}  {contender.name:<18} "
+                f"median {contender.medians[-1] * 1e6:8.1f} us/step",
+                file=sys.stderr,
+                flush=True,
+            )
+    torch.set_num_threads(THREADS)
+
+
+# ---------------------------------------------------------------------------------------
+# Report
+
+
+def versions() -> str:
+    parts = [f"torch {torch.__version__}", f"leantrain {lt.__version__}"]
+    pl = import_lightning()
+    if pl is not None:
+        parts.append(f"{pl.__name__.split('.')[0]} {pl.__version__}")
+    if importable("accelerate"):
+        parts.append(f"accelerate {importlib.import_module('accelerate').__version__}")
+    return ", ".join(parts)
+
+
+def render(all_contenders: list[Contender], steps: int, rounds: int, warmup: int) -> str:
+    baseline = all_contenders[0]
+    assert baseline.name == "hand-written loop"
+    lines = [
+        "# Per-step overhead: leantrain vs a hand-written PyTorch loop",
+        "",
+        f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; "
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores visible, "
+        f"Python {platform.python_version()}",
+        f"- Versions: {versions()}",
+        f"- Threads: `torch.set_num_threads({THREADS})` for every contender (fairness and stability)",
+        f"- Work: MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, fp32 on CPU; the same TensorDataset of "
+        f"{SAMPLES} x {FEATURES} random float32 features and {CLASSES} classes for all; "
+        f"SGD (lr {LEARNING_RATE}, momentum {MOMENTUM}); batch {BATCH_SIZE}, shuffled, "
+        f"DataLoader with num_workers=0; {steps} optimizer steps per run",
+        f"- Method: each run stamps `time.perf_counter()` after every optimizer step; a run's step time "
+        f"is the median gap between stamps, the first {warmup} dropped. {rounds} rounds, contenders "
+        "interleaved in one process in a rotating order. *Median step* is the median over rounds; "
+        "*vs hand-written* is the median over rounds of the ratio to the hand-written loop of the same "
+        "round (its range in brackets). *Mean step* includes periodic work that the median hides "
+        f"(epoch ends; leantrain's metrics read and CSV row every {LEANTRAIN_LOG_EVERY} steps).",
+        "- The machine is shared and noisy: compare the ratios, not the absolute times.",
+        "",
+        "| Contender | Median step (µs) | vs hand-written | Mean step (µs) |",
+        "|---|---:|---:|---:|",
+    ]
+    for contender in all_contenders:
+        if contender.skipped:
+            lines.append(f"| {contender.name} | skipped: {contender.skipped} | | |")
+            continue
+        ratios = [mine / base for mine, base in zip(contender.medians, baseline.medians, strict=True)]
+        lines.append(
+            f"| {contender.name} | {statistics.median(contender.medians) * 1e6:.1f} "
+            f"| {statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}] "
+            f"| {statistics.median(contender.means) * 1e6:.1f} |"
+        )
+    leantrain = all_contenders[1]
+    ratio = statistics.median(m / b for m, b in zip(leantrain.medians, baseline.medians, strict=True))
+    verdict = "met" if ratio <= 1.02 else "NOT met"
+    lines += ["", f"Target leantrain / hand-written <= 1.02: {verdict} ({ratio:.3f})."]
+    return "\n".join(lines) + "\n"
+
+
+def quiet_frameworks() -> None:
+    """Silence the frameworks' start-up banners so that the progress lines stay readable."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=512, help="optimizer steps per run (default 512)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of all contenders (default 5)")
+    parser.add_argument("--warmup", type=int, default=20, help="first step gaps dropped (default 20)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 100 steps, 2 rounds; writes only with --out"
+    )
+    parser.add_argument("--out", type=Path, default=None, help=f"Markdown output (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.rounds, args.warmup = 100, 2, 10
+    # A smoke run must not overwrite the full results unless asked to.
+    if args.out is None and not args.quick:
+        args.out = DEFAULT_OUT
+    if args.steps <= args.warmup + 1:
+        parser.error(f"--steps must exceed --warmup + 1 ({args.warmup + 1})")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(THREADS)
+    dataset = make_dataset()
+    all_contenders = contenders()
+    # After contenders(): importing Lightning resets its loggers to INFO.
+    quiet_frameworks()
+    timed = [c for c in all_contenders if not c.skipped]
+    measure(timed, dataset, args.steps, args.rounds, args.warmup)
+    table = render(all_contenders, args.steps, args.rounds, args.warmup)
+    print(table)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table)
+        print(f"written to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Shared test fixtures: small deterministic tasks, and a quiet fit() helper."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+import leantrain as lt
+
+
+class RegressionTask:
+    """A float64 MLP on random data; ``loss_kind`` picks a mean loss or a LossSum.
+
+    For ``"sum"`` each sample has 1..4 valid target positions (a mask), so per-sample
+    element counts differ, as token-level losses with padding do.
+    """
+
+    def __init__(self, samples: int = 160, loss_kind: str = "mean", dtype: torch.dtype = torch.float64):
+        self.loss_kind = loss_kind
+        self.dtype = dtype
+        gen = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(samples, 6, generator=gen, dtype=dtype)
+        self.y = torch.randn(samples, 4, generator=gen, dtype=dtype)
+        lengths = torch.randint(1, 5, (samples,), generator=gen)
+        self.mask = (torch.arange(4).unsqueeze(0) < lengths.unsqueeze(1)).to(dtype)
+
+    def model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4)).to(self.dtype)
+
+    def train_data(self) -> Dataset:
+        return TensorDataset(self.x, self.y, self.mask)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor | lt.LossSum:
+        x, y, mask = batch
+        error = (model(x) - y) ** 2
+        if self.loss_kind == "mean":
+            return error.mean()
+        return lt.LossSum((error * mask).sum(), mask.sum())
+
+    def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+class TinyClassifier:
+    """A small classifier with validation data and an accuracy metric."""
+
+    def __init__(self, samples: int = 256) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(samples, 8, generator=gen)
+        self.y = (self.x[:, 0] > 0).long()
+
+    def model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def train_data(self) -> Dataset:
+        return TensorDataset(self.x, self.y)
+
+    def val_data(self) -> Dataset:
+        return TensorDataset(self.x[:50], self.y[:50])
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    def metrics(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"accuracy": (model(x).argmax(1) == y).float().mean()}
+
+    def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=1e-2)
+
+
+def quiet_config(out_dir: Path, **fields: Any) -> lt.TrainConfig:
+    """A config that writes into ``out_dir`` and prints nothing."""
+    fields.setdefault("progress", "none")
+    fields.setdefault("tensorboard", False)
+    return lt.TrainConfig(out_dir=str(out_dir), **fields)
+
+
+@pytest.fixture
+def fit(tmp_path: Path):
+    """fit(task, **config_fields) -> FitResult, each call in its own run folder."""
+    counter = iter(range(1000))
+
+    def run(task: Any, callbacks: Iterable[Any] = (), **fields: Any) -> lt.FitResult:
+        config = quiet_config(tmp_path / f"run{next(counter)}", **fields)
+        return lt.Trainer(config, callbacks=list(callbacks)).fit(task)
+
+    return run

@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from leantrain.data.loader import build_loader, check_map_style, device_batches, move_to_device
+from leantrain.errors import DataError, TaskError
+
+
+class FailsAt(Dataset):
+    def __init__(self, bad: int) -> None:
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == self.bad:
+            raise ValueError("corrupt record")
+        return torch.tensor([float(index)])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_failing_item_names_its_index_and_the_original_error(workers):
+    loader = build_loader(FailsAt(bad=11), "train_data", batch_size=4, num_workers=workers)
+    with pytest.raises(DataError) as caught:
+        list(loader)
+    assert str(caught.value) == "train_data item 11 failed: ValueError: corrupt record"
+    if workers:
+        assert "Traceback" in caught.value.details  # the worker's traceback is kept for debugging
+
+
+def test_check_map_style_rejects_iterable_and_unsized_datasets():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    with pytest.raises(TaskError, match="IterableDataset"):
+        check_map_style(Stream(), "train_data")
+    with pytest.raises(TaskError, match="must be a Dataset with __len__ and __getitem__, got int"):
+        check_map_style(3, "val_data")
+    assert check_map_style([1, 2, 3], "train_data") == 3
+
+
+def test_move_to_device_keeps_the_structure():
+    Pair = namedtuple("Pair", "a b")
+    batch = {"x": torch.ones(2), "rest": [Pair(torch.zeros(1), 3), (torch.ones(1),)], "name": "n"}
+    moved = move_to_device(batch, torch.device("meta"))
+    assert moved["x"].device.type == "meta"
+    assert isinstance(moved["rest"][0], Pair) and moved["rest"][0].a.device.type == "meta"
+    assert moved["rest"][0].b == 3 and moved["name"] == "n"
+    assert isinstance(moved["rest"][1], tuple)
+
+
+def test_cpu_batches_pass_through_untouched():
+    batches = [torch.ones(2), torch.zeros(2)]
+    assert [b is o for b, o in zip(device_batches(batches, torch.device("cpu")), batches, strict=True)] == [
+        True,
+        True,
+    ]
+
+
+def test_other_devices_get_batches_moved():
+    out = list(device_batches([(torch.ones(2),)], torch.device("meta")))
+    assert out[0][0].device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prefetcher_delivers_every_batch_in_order():
+    batches = [torch.full((4,), float(i)).pin_memory() for i in range(5)]
+    out = [b.cpu() for b in device_batches(batches, torch.device("cuda"))]
+    assert [float(b[0]) for b in out] == [0, 1, 2, 3, 4]

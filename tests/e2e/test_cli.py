@@ -1,0 +1,180 @@
+"""Drive the installed ``leantrain`` command as a user would."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from leantrain.cli import build_parser
+
+LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
+
+
+def run(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([LEANTRAIN, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_fit_without_arguments_trains_digits_to_95_percent(tmp_path):
+    done = run("fit", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert run_dir.name.startswith("digits-")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["val_accuracy"] >= 0.95
+    assert summary["wall_seconds"] < 60
+    assert {"metrics.csv", "model.safetensors", "summary.json"} <= {p.name for p in run_dir.iterdir()}
+    assert list(run_dir.glob("events.out.tfevents.*"))
+    # not a terminal: plain progress lines, and the summary table
+    assert "step 220/220" in done.stdout and "val_accuracy" in done.stdout
+
+
+def test_flags_and_yaml_config_set_the_same_fields(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "example: digits\nglobal_batch_size: 32\nmicro-batch-size: 8\nprecision: 32\nmax_steps: 6\n"
+    )
+    done = run(
+        "fit",
+        "--config",
+        str(config),
+        "--log-every-n-steps",
+        "3",
+        "--out",
+        "out",
+        "--tensorboard",
+        "false",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    split = (summary["global_batch_size"], summary["micro_batch_size"], summary["accumulation_steps"])
+    assert split == (32, 8, 4)
+    assert summary["steps"] == 6
+    rows = list(csv.DictReader((tmp_path / "out" / "metrics.csv").open()))
+    assert [r["step"] for r in rows if r["train_loss"]] == ["3", "6"]
+    assert not list((tmp_path / "out").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--global-batch-size", "-3"], "invalid global_batch_size=-3: must be a positive integer"),
+        (["--micro-batch-size", "5"], "invalid micro_batch_size=5: must divide the per-process batch 64"),
+        (["--precision", "bf17"], "invalid precision='bf17': must be one of 32, bf16-mixed, 16-mixed"),
+        (["--max-steps", "ten"], "invalid max_steps='ten': must be an integer or null"),
+        (["--example", "nope"], "unknown example 'nope'; available: digits, charlm, slowdata"),
+        (["--task", "no_such_pkg.mod:Task"], "cannot import module 'no_such_pkg.mod'"),
+        (["--task", "json:JSONDecodeError"], "must be callable with no arguments"),
+        (["--task", "x:Y", "--example", "digits"], "give either --task or --example, not both"),
+        (["--config", "missing.yaml"], "File does not exist"),
+        (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag 1"),
+        (["--device", "cuda:7"], "invalid device='cuda:7'"),
+    ],
+)
+def test_bad_input_prints_one_line_and_exits_2(tmp_path, args, message):
+    done = run("fit", *args, "--out", "out", cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr
+    assert message in lines[0]
+    assert not (tmp_path / "out" / "metrics.csv").exists()
+
+
+def test_a_failing_dataset_item_is_named(tmp_path):
+    (tmp_path / "broken_task.py").write_text(
+        "from tests.conftest import TinyClassifier\n"
+        "class Broken(TinyClassifier):\n"
+        "    def train_data(self):\n"
+        "        data = super().train_data()\n"
+        "        class Bad(type(data)):\n"
+        "            def __getitem__(self, i):\n"
+        "                if i == 7: raise KeyError('label')\n"
+        "                return super().__getitem__(i)\n"
+        "        return Bad(*data.tensors)\n"
+    )
+    env_path = f"{tmp_path}:{Path(__file__).parents[2]}"
+    done = subprocess.run(
+        [
+            LEANTRAIN,
+            "fit",
+            "--task",
+            "broken_task:Broken",
+            "--global-batch-size",
+            "256",
+            "--num-workers",
+            "1",
+            "--out",
+            "out",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": env_path, "PATH": ""},
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == "leantrain: error: train_data item 7 failed: KeyError: 'label'"
+
+
+def test_examples_lists_the_builtin_tasks(tmp_path):
+    done = run("examples", cwd=tmp_path)
+    assert done.returncode == 0
+    for name in ("digits", "charlm", "slowdata"):
+        assert name in done.stdout
+
+
+def test_help_is_grouped_by_concern(tmp_path):
+    done = run("fit", "--help", cwd=tmp_path)
+    assert done.returncode == 0
+    headings = [
+        "Task:",
+        "Batch and schedule",
+        "Optimization:",
+        "Precision:",
+        "Data loading:",
+        "Devices and parallelism:",
+        "Reproducibility:",
+        "Logging and outputs:",
+    ]
+    positions = [done.stdout.index(h) for h in headings]
+    assert positions == sorted(positions)
+
+
+# Adding or renaming a flag is a user-facing change: update this list on purpose.
+FROZEN_FIT_FLAGS = {
+    "--config",
+    "--print_config",
+    "--task",
+    "--example",
+    "--global-batch-size",
+    "--micro-batch-size",
+    "--max-steps",
+    "--max-epochs",
+    "--shuffle",
+    "--max-grad-norm",
+    "--precision",
+    "--num-workers",
+    "--pin-memory",
+    "--prefetch-factor",
+    "--device",
+    "--strategy",
+    "--seed",
+    "--deterministic",
+    "--out-dir",
+    "--out",
+    "--log-every-n-steps",
+    "--val-every-n-steps",
+    "--progress",
+    "--tensorboard",
+}
+
+
+def test_the_set_of_fit_flags_is_frozen():
+    fit_parser = build_parser()._subcommands_action._name_parser_map["fit"]
+    flags = {option for action in fit_parser._actions for option in action.option_strings} - {"-h", "--help"}
+    assert flags == FROZEN_FIT_FLAGS

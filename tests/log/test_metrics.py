@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import math
+
+import torch
+
+from leantrain.log.metrics import LossTracker
+
+
+def test_mean_losses_are_weighted_by_samples():
+    tracker = LossTracker()
+    tracker.add_mean(0, torch.tensor(1.0), 2)
+    tracker.add_mean(0, torch.tensor(4.0), 2)
+    tracker.add_mean(1, torch.tensor(10.0), 4)
+    window = tracker.read()
+    assert window.mean_loss == (1 * 2 + 4 * 2 + 10 * 4) / 8
+    assert window.last_step_loss == 10.0
+    assert window.first_nonfinite_step is None
+    assert tracker.read() is None  # cleared
+
+
+def test_loss_sums_divide_by_their_total_count():
+    tracker = LossTracker()
+    tracker.add_sum(3, torch.tensor(6.0), torch.tensor(3))
+    tracker.add_sum(3, torch.tensor(2.0), 1)
+    window = tracker.read()
+    assert window.mean_loss == 2.0 and window.last_step_loss == 2.0
+
+
+def test_the_first_non_finite_step_is_named():
+    tracker = LossTracker()
+    tracker.add_mean(4, torch.tensor(1.0), 1)
+    tracker.add_mean(5, torch.tensor(float("nan")), 1)
+    tracker.add_mean(6, torch.tensor(float("inf")), 1)
+    window = tracker.read()
+    assert window.first_nonfinite_step == 5
+    assert math.isnan(window.mean_loss)
+
+
+def test_adding_keeps_no_graph():
+    weight = torch.ones(1, requires_grad=True)
+    tracker = LossTracker()
+    loss = (weight * 2).sum()
+    tracker.add_mean(0, loss.detach(), 1)
+    assert all(not t.requires_grad for t in tracker._totals)

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leantrain as lt
+from leantrain.runtime import deterministic_kernels, peak_memory_bytes, resolve_device
+
+
+def test_auto_device_is_cuda_when_present_else_cpu():
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_unavailable_cuda_is_a_config_error():
+    with pytest.raises(lt.ConfigError, match="invalid device='cuda:1': CUDA is not available"):
+        resolve_device("cuda:1")
+
+
+def test_deterministic_kernels_are_enabled_inside_and_restored_after():
+    before = torch.are_deterministic_algorithms_enabled()
+    with deterministic_kernels(True):
+        assert torch.are_deterministic_algorithms_enabled()
+    assert torch.are_deterministic_algorithms_enabled() == before
+
+
+def test_peak_memory_on_cpu_is_at_least_a_large_allocation():
+    big = torch.ones(64 * 1024 * 1024, dtype=torch.uint8)  # 64 MiB, touched
+    assert peak_memory_bytes(torch.device("cpu")) >= big.numel()
