@@ -250,7 +250,7 @@ def _build_model(task: Any, device: torch.device) -> nn.Module:
 
 
 def _prepare_run_dir(out_dir: str | None, name: str) -> Path:
-    """The run folder; refuses one that already holds a run, so that nothing is overwritten."""
+    """The run folder (created when the run starts writing); one that already holds a run is refused."""
     if out_dir is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{name}-{stamp}"
@@ -261,5 +261,4 @@ def _prepare_run_dir(out_dir: str | None, name: str) -> Path:
     for marker in ("metrics.csv", "summary.json"):
         if (path / marker).exists():
             raise LeantrainError(f"out_dir {path} already holds a run ({marker}); choose another out_dir")
-    path.mkdir(parents=True, exist_ok=True)
     return path

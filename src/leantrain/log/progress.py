@@ -41,7 +41,7 @@ class PlainProgress:
 class RichProgress:
     """A live bar with loss, throughput and ETA, updated only at log points."""
 
-    def __init__(self, total_steps: int) -> None:
+    def __init__(self, total_steps: int, console: Console | None = None) -> None:
         self._progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
@@ -49,7 +49,7 @@ class RichProgress:
             TextColumn("loss {task.fields[loss]}"),
             TextColumn("{task.fields[speed]} samples/s"),
             TimeRemainingColumn(),
-            console=Console(),
+            console=console or Console(),
         )
         self._task = self._progress.add_task("train", total=total_steps, loss="-", speed="-")
         self._progress.start()

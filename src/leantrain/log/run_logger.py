@@ -10,6 +10,7 @@ from leantrain.log.sinks import CSVSink, Sink, TensorBoardSink
 
 class RunLogger:
     def __init__(self, run_dir: Path, total_steps: int, progress: str, tensorboard: bool) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
         self.sinks: list[Sink] = [CSVSink(run_dir / "metrics.csv")]
         if tensorboard:
             self.sinks.append(TensorBoardSink(run_dir))
