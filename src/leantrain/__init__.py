@@ -1,20 +1,29 @@
 """leantrain: a PyTorch training engine that is fast, memory-lean, and says why a run is slow."""
 
+from leantrain._version import __version__
 from leantrain.config import TrainConfig
-from leantrain.errors import ConfigError, DataError, LeantrainError, NonFiniteLossError, TaskError
+from leantrain.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    LeantrainError,
+    NonFiniteLossError,
+    RunInterrupted,
+    TaskError,
+)
 from leantrain.task import LossSum, Task, load_task
 from leantrain.trainer import Callback, FitResult, StepStats, Trainer
 
-__version__ = "0.1.0"
-
 __all__ = [
     "Callback",
+    "CheckpointError",
     "ConfigError",
     "DataError",
     "FitResult",
     "LeantrainError",
     "LossSum",
     "NonFiniteLossError",
+    "RunInterrupted",
     "StepStats",
     "Task",
     "TaskError",

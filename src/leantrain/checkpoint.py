@@ -1,15 +1,211 @@
-"""Saving the trained weights (``model.safetensors``)."""
+"""Checkpoints: atomic saves, safe loads, exact resume, and safetensors export.
+
+A checkpoint is one ``torch.save`` file, ``checkpoints/step-00000120.pt``, holding only
+tensors and plain Python values, so that it loads with ``weights_only=True``: loading a
+checkpoint never runs code from the file. It holds everything that the next step
+depends on: model, optimizer, scheduler and precision (loss scaler) state, the step (the
+sampler's whole position: see ``data/sampler.py``), the losses not yet logged, and the
+RNG states of Python, NumPy and torch (CPU and CUDA), taken at the step boundary.
+"""
 
 from __future__ import annotations
 
+import pickle
+import random
+import re
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from safetensors.torch import save_model
+import numpy as np
+import torch
+from safetensors.torch import save_file
 from torch import nn
 
+from leantrain.errors import CheckpointError
 from leantrain.files import atomic_write
 
+FORMAT = "leantrain-checkpoint"
+FORMAT_VERSION = 1
+# Settings that fix the sample order and the update rule: a checkpoint only resumes a run
+# that agrees on them. Everything else (max_steps, logging, workers, micro-batch) may change.
+MUST_MATCH = ("global_batch_size", "seed", "shuffle", "precision")
+_NAME = re.compile(r"step-(\d+)\.pt")
 
-def export_weights(model: nn.Module, path: Path) -> None:
-    """Write the model's weights as safetensors, atomically; tied weights are stored once."""
-    atomic_write(Path(path), lambda tmp: save_model(model, str(tmp)))
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}.pt"
+
+
+def capture_rng() -> dict[str, Any]:
+    """The RNG states of Python, NumPy and torch, as tensors and plain values."""
+    numpy_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": numpy_state["bit_generator"],
+            "state": {"key": numpy_state["key"].numpy().astype(np.uint32), "pos": numpy_state["pos"]},
+            "has_gauss": numpy_state["has_gauss"],
+            "gauss": numpy_state["gauss"],
+        }
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write ``state`` atomically: a crash during the save leaves the previous file intact."""
+    payload = {"format": FORMAT, "format_version": FORMAT_VERSION, **state}
+    atomic_write(Path(path), lambda tmp: torch.save(payload, tmp))
+
+
+def load_checkpoint(path: Path | str) -> dict[str, Any]:
+    """Load a checkpoint safely; CheckpointError (one line, naming the file) when it is unusable."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {path} does not exist" + (" (it is a folder)" if path.is_dir() else "")
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        # weights_only refuses any object that is not a tensor or a plain value: this is
+        # where a file crafted to run code on unpickling is stopped. Random bytes fail here
+        # too, as an unknown opcode rather than a forbidden global.
+        forbidden = [line for line in str(error).splitlines() if "GLOBAL" in line]
+        if forbidden:
+            raise CheckpointError(
+                f"checkpoint {path} holds objects that are not plain data, refused: {forbidden[0].strip()}"
+            ) from error
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated (not a readable torch file)"
+        ) from error
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({_first_line(error)})") from error
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a leantrain checkpoint")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {state.get('format_version')}; "
+            f"this leantrain reads version {FORMAT_VERSION}"
+        )
+    return state
+
+
+def check_compatible(state: dict[str, Any], path: Path, config: dict[str, Any], dataset_size: int) -> None:
+    """CheckpointError naming the first setting in which the checkpoint and this run differ."""
+    saved = state["config"]
+    for name in MUST_MATCH:
+        if saved.get(name) != config[name]:
+            raise CheckpointError(
+                f"checkpoint {path} was saved with {name}={saved.get(name)!r} but this run has "
+                f"{name}={config[name]!r}; resuming would change the optimisation"
+            )
+    if state["dataset_size"] != dataset_size:
+        raise CheckpointError(
+            f"checkpoint {path} was saved with {state['dataset_size']} training samples but this run "
+            f"has {dataset_size}; the sample order would differ"
+        )
+
+
+def load_into(target: Any, saved: dict[str, Any], what: str, path: Path) -> None:
+    """``target.load_state_dict(saved)``, with a mismatch reported as one line naming the file."""
+    try:
+        if isinstance(target, nn.Module):
+            target.load_state_dict(saved, strict=True)
+        else:
+            target.load_state_dict(saved)
+    except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as error:
+        raise CheckpointError(
+            f"checkpoint {path} does not match this run's {what}: {_first_line(error)}"
+        ) from error
+
+
+def _first_line(error: BaseException) -> str:
+    """A compact one-line account of an error (torch's load_state_dict errors span lines)."""
+    text = " ".join(str(error).split())
+    return (text[:300] + "...") if len(text) > 300 else text or type(error).__name__
+
+
+class CheckpointFolder:
+    """The checkpoints of one run: numbered files, the newest K kept."""
+
+    def __init__(self, folder: Path, keep: int) -> None:
+        self.folder = Path(folder)
+        self.keep = keep
+
+    def files(self) -> list[Path]:
+        """Checkpoint files, oldest first (temporary files of interrupted saves are not listed)."""
+        if not self.folder.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := _NAME.fullmatch(p.name))]
+        return [path for _, path in sorted(found)]
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / checkpoint_name(step)
+        save_checkpoint(path, state)
+        for old in self.files()[: -self.keep]:
+            old.unlink(missing_ok=True)
+        for stale in self.folder.glob(".step-*.pt.tmp-*"):  # left by a save that was killed
+            stale.unlink(missing_ok=True)
+        return path
+
+    def newest_valid(self, warn: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
+        """The newest checkpoint that loads; unusable newer ones are reported through ``warn``."""
+        for path in reversed(self.files()):
+            try:
+                return path, load_checkpoint(path)
+            except CheckpointError as error:
+                warn(f"skipping {error}")
+        return None
+
+
+def unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One entry per tensor: tied weights (one storage, several names) keep their first name."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    unique = {}
+    for name in sorted(state_dict):
+        tensor = state_dict[name]
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() == 0 or key not in seen:  # empty tensors share no data: keep them all
+            seen.add(key)
+            unique[name] = tensor.detach().cpu().contiguous()
+    return unique
+
+
+def export_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    """Write weights as safetensors, atomically; tied weights are stored once."""
+    tensors = unique_tensors(state_dict)
+    atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+
+
+def export_checkpoint(checkpoint: Path | str, out: Path | str) -> Path:
+    """``leantrain export``: the model weights of a checkpoint as a safetensors file."""
+    state = load_checkpoint(checkpoint)
+    out = Path(out)
+    if out.is_dir():
+        out = out / "model.safetensors"
+    export_weights(state["model"], out)
+    return out

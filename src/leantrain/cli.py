@@ -1,4 +1,4 @@
-"""The ``leantrain`` command: ``fit`` and ``examples``.
+"""The ``leantrain`` command: ``fit``, ``examples`` and ``export``.
 
 Every :class:`TrainConfig` field is a hyphenated ``fit`` flag and a key of the YAML file
 given with ``--config``; the flags are generated from the dataclass, grouped as its
@@ -20,8 +20,9 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from rich.console import Console
 from rich.table import Table
 
+from leantrain.checkpoint import export_checkpoint
 from leantrain.config import GROUPS, TrainConfig, coerce, metavar
-from leantrain.errors import LeantrainError, TaskError
+from leantrain.errors import LeantrainError, RunInterrupted, TaskError
 from leantrain.examples import DEFAULT_EXAMPLE, EXAMPLES, load_example
 from leantrain.task import load_task
 from leantrain.trainer import FitResult, Trainer
@@ -74,6 +75,12 @@ def build_parser() -> ArgumentParser:
     commands.add_subcommand(
         "examples", ArgumentParser(exit_on_error=False), help="list the built-in example tasks"
     )
+    export = ArgumentParser(
+        description="Write a checkpoint's model weights as safetensors.", exit_on_error=False
+    )
+    export.add_argument("checkpoint", help="a checkpoint file (run folder/checkpoints/step-*.pt)")
+    export.add_argument("out", help="the .safetensors file to write (or a folder: OUT/model.safetensors)")
+    commands.add_subcommand("export", export, help="turn a checkpoint into safetensors weights")
     return parser
 
 
@@ -131,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         namespace = build_parser().parse_args(args)
         if namespace.command == "examples":
             list_examples(console)
+        elif namespace.command == "export":
+            written = export_checkpoint(namespace.export.checkpoint, namespace.export.out)
+            console.print(f"wrote {written}")
         else:
             values = namespace.fit.as_dict()
             run_fit(values, console)
@@ -138,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"leantrain: error: {' '.join(str(error).split())}")
     except LeantrainError as error:
         return _fail(f"leantrain: error: {error}")
+    except RunInterrupted as stop:
+        # 128 + signal number: the shell's convention for "ended by this signal".
+        return _fail(f"leantrain: {stop}", code=128 + stop.signal_number)
     except KeyboardInterrupt:
         return _fail("leantrain: interrupted", code=130)
     return 0

@@ -30,6 +30,7 @@ GROUPS = {
     "parallel": "Devices and parallelism",
     "reproducibility": "Reproducibility",
     "logging": "Logging and outputs",
+    "checkpointing": "Checkpoints and resume",
 }
 
 # Epochs trained when neither max_steps nor max_epochs is given.
@@ -80,6 +81,14 @@ class TrainConfig:
         "auto", "logging", "auto: a live bar on a terminal, plain lines otherwise"
     )
     tensorboard: bool = _field(True, "logging", "write TensorBoard event files into the run folder")
+    # checkpointing
+    checkpoint_every: int | None = _field(
+        None, "checkpointing", "save a checkpoint every N steps; null: only at the end and on SIGTERM/SIGUSR1"
+    )
+    keep_checkpoints: int = _field(3, "checkpointing", "keep the newest K checkpoints of the run")
+    resume: str | None = _field(
+        None, "checkpointing", "auto: the newest valid checkpoint in out_dir, else start fresh; or a file"
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,6 +107,8 @@ class TrainConfig:
         self._validate_batch(world_size)
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise ConfigError("prefetch_factor", self.prefetch_factor, "needs num_workers > 0")
+        if self.resume == "auto" and self.out_dir is None:
+            raise ConfigError("resume", self.resume, "needs out_dir: the run folder to resume")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ConfigError("device", self.device, "allowed: auto, cpu, cuda, cuda:N, mps")
 
@@ -150,6 +161,9 @@ _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "seed": (lambda v: 0 <= v < 2**63, "must be between 0 and 2**63 - 1"),
     "log_every_n_steps": (_positive, "must be a positive integer"),
     "val_every_n_steps": (_positive, "must be a positive integer"),
+    "checkpoint_every": (_positive, "must be a positive integer"),
+    "keep_checkpoints": (_positive, "must be a positive integer"),
+    "resume": (lambda v: bool(v.strip()), "must be auto or the path of a checkpoint file"),
 }
 
 

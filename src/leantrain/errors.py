@@ -46,3 +46,24 @@ class DataError(LeantrainError):
 
 class NonFiniteLossError(LeantrainError):
     """The training loss became NaN or infinite; the message names the step."""
+
+
+class CheckpointError(LeantrainError):
+    """A checkpoint that is missing, corrupt, unsafe, or does not match this run; names the file."""
+
+
+class RunInterrupted(Exception):
+    """Training stopped on a signal (SIGTERM, SIGUSR1) after saving a checkpoint.
+
+    Not a LeantrainError: nothing was wrong with the input, and the run can go on.
+    """
+
+    def __init__(self, signal_name: str, signal_number: int, step: int, checkpoint: str) -> None:
+        self.signal_name = signal_name
+        self.signal_number = signal_number
+        self.step = step
+        self.checkpoint = checkpoint
+        super().__init__(
+            f"stopped by {signal_name} after step {step}; checkpoint {checkpoint}; "
+            "continue with --resume auto"
+        )

@@ -1,9 +1,9 @@
 """Trainer.fit: builds the pieces of a run from the config, then runs a short loop.
 
 Every piece is chosen once, before the loop: the device, the precision, the batch plan
-and its accumulator, the sampler and loader, the logger. The loop itself makes no host
-synchronisation between log points: losses stay on the device (``LossTracker``) and
-are read every ``log_every_n_steps`` steps.
+and its accumulator, the sampler and loader, the logger, the checkpoint folder. The loop
+itself makes no host synchronisation between log points: losses stay on the device
+(``LossTracker``) and are read every ``log_every_n_steps`` steps.
 """
 
 from __future__ import annotations
@@ -18,18 +18,33 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from leantrain._version import __version__
 from leantrain.batching import Accumulator, BatchPlan, StepOutcome
-from leantrain.checkpoint import export_weights
+from leantrain.checkpoint import (
+    CheckpointFolder,
+    capture_rng,
+    check_compatible,
+    export_weights,
+    load_checkpoint,
+    load_into,
+    restore_rng,
+)
 from leantrain.config import TrainConfig
 from leantrain.data.loader import build_loader, check_map_style, device_batches
 from leantrain.data.sampler import GlobalBatchSampler, steps_per_epoch
-from leantrain.errors import LeantrainError, NonFiniteLossError, TaskError
+from leantrain.errors import CheckpointError, LeantrainError, NonFiniteLossError, RunInterrupted, TaskError
 from leantrain.evaluation import evaluate
 from leantrain.files import atomic_write_json
 from leantrain.log.metrics import LossTracker
 from leantrain.log.run_logger import RunLogger
 from leantrain.precision import make_precision
-from leantrain.runtime import deterministic_kernels, peak_memory_bytes, resolve_device, seed_everything
+from leantrain.runtime import (
+    StopSignals,
+    deterministic_kernels,
+    peak_memory_bytes,
+    resolve_device,
+    seed_everything,
+)
 from leantrain.task import check_task
 
 
@@ -82,18 +97,22 @@ class Trainer:
         self.callbacks = list(callbacks)
 
     def fit(self, task: Any, name: str | None = None) -> FitResult:
-        """Train ``task``; ``name`` labels the default run folder (default: the task's class name)."""
+        """Train ``task``; ``name`` labels the default run folder (default: the task's class name).
+
+        Raises :class:`RunInterrupted` after saving a checkpoint when SIGTERM or SIGUSR1 arrives.
+        """
         started = time.perf_counter()
         cfg = self.config
         name = name or type(task).__name__
         check_task(task, name)
         device = resolve_device(cfg.device)
-        run_dir = _prepare_run_dir(cfg.out_dir, name)
+        run_dir = _prepare_run_dir(cfg.out_dir, name, cfg.resume)
         with deterministic_kernels(cfg.deterministic):
             seed_everything(cfg.seed)
             run = _Run(cfg, task, device, run_dir)
             try:
-                run.train(self.callbacks)
+                with StopSignals() as signals:
+                    run.train(self.callbacks, signals)
             finally:
                 run.logger.close()
             return run.finish(started)
@@ -111,18 +130,31 @@ class _Run:
         self.scheduler = scheduler_fn(self.optimizer) if callable(scheduler_fn) else None
         self.precision = make_precision(cfg.precision, device)
         self.accumulator = Accumulator(self.plan, self.precision, cfg.max_grad_norm)
+        self.tracker = LossTracker()
+        self.val_metrics: dict[str, float] = {}
+        self.progress = {"train_seconds": 0.0, "wall_seconds": 0.0, "final_train_loss": float("nan")}
 
         train_data = task.train_data()
-        dataset_size = check_map_style(train_data, "train_data")
-        self.steps_per_epoch = steps_per_epoch(dataset_size, self.plan)
+        self.dataset_size = check_map_style(train_data, "train_data")
+        self.steps_per_epoch = steps_per_epoch(self.dataset_size, self.plan)
         epoch_steps = cfg.epoch_limit and cfg.epoch_limit * self.steps_per_epoch
         self.total_steps = min(limit for limit in (cfg.max_steps, epoch_steps) if limit)
+        self.checkpoints = CheckpointFolder(run_dir / "checkpoints", cfg.keep_checkpoints)
+        self.start_step = 0
+        self._saved_rng: dict[str, Any] | None = None
+        self._resume(cfg.resume)
+
         pin = cfg.pin_memory if cfg.pin_memory is not None else device.type == "cuda"
         loader_options = dict(
             num_workers=cfg.num_workers, pin_memory=pin, prefetch_factor=cfg.prefetch_factor, seed=cfg.seed
         )
         sampler = GlobalBatchSampler(
-            dataset_size, self.plan, self.total_steps, seed=cfg.seed, shuffle=cfg.shuffle
+            self.dataset_size,
+            self.plan,
+            self.total_steps,
+            seed=cfg.seed,
+            shuffle=cfg.shuffle,
+            start_step=self.start_step,
         )
         self.train_loader = build_loader(train_data, "train_data", batch_sampler=sampler, **loader_options)
         val_fn = getattr(task, "val_data", None)
@@ -132,25 +164,23 @@ class _Run:
             check_map_style(val_data, "val_data")
             batch = self.plan.micro_batch_size
             self.val_loader = build_loader(val_data, "val_data", batch_size=batch, **loader_options)
-        self.logger = RunLogger(run_dir, self.total_steps, cfg.progress, cfg.tensorboard)
+        self.logger = RunLogger(run_dir, self.total_steps, cfg.progress, cfg.tensorboard, self.start_step)
+        resumed = f", resumed after step {self.start_step}" if self.start_step else ""
         self.logger.message(
             f"training {self.total_steps} steps of {self.plan.global_batch_size} samples "
             f"(micro-batch {self.plan.micro_batch_size} x {self.plan.accumulation_steps} accumulation), "
-            f"precision {self.precision.name}, on {device}, into {run_dir}"
+            f"precision {self.precision.name}, on {device}, into {run_dir}{resumed}"
         )
-        self.tracker = LossTracker()
-        self.val_metrics: dict[str, float] = {}
-        self.train_seconds = 0.0  # in the loop, validation excluded
-        self.steps_done = 0
-        self.final_train_loss = float("nan")
 
-    def train(self, callbacks: Sequence[Callback]) -> None:
+    def train(self, callbacks: Sequence[Callback], signals: StopSignals) -> None:
         cfg, model, optimizer, task = self.cfg, self.model, self.optimizer, self.task
         batches = device_batches(self.train_loader, self.device)
         model.train()
+        if self._saved_rng is not None:
+            restore_rng(self._saved_rng)  # last, after everything that draws random numbers at set-up
         window_started = time.perf_counter()
-        window_first_step = 0
-        for step in range(self.total_steps):
+        window_first_step = self.start_step
+        for step in range(self.start_step, self.total_steps):
             outcome = self.accumulator.step(model, optimizer, task.loss, batches, step, self.tracker)
             if outcome.stepped and self.scheduler is not None:
                 self.scheduler.step()
@@ -163,7 +193,11 @@ class _Run:
                 window_first_step, window_started = done, time.perf_counter()
             if cfg.val_every_n_steps and done % cfg.val_every_n_steps == 0 and done < self.total_steps:
                 window_started += self._validate(done, callbacks)
-        self.steps_done = self.total_steps
+            every = cfg.checkpoint_every
+            if done == self.total_steps or (every and done % every == 0) or signals.received:
+                path = self._save_checkpoint(done)
+                if signals.received:
+                    raise RunInterrupted(signals.received.name, int(signals.received), done, str(path))
         if self.val_loader is not None:
             self._validate(self.total_steps, callbacks)
 
@@ -184,9 +218,9 @@ class _Run:
                 f"(loss over steps {done - window_steps + 1}..{done}: {window.mean_loss})"
             )
         seconds = max(time.perf_counter() - window_started, 1e-9)
-        self.train_seconds += seconds
+        self.progress["train_seconds"] += seconds
+        self.progress["final_train_loss"] = window.last_step_loss
         speed = window_steps * self.plan.global_batch_size / seconds
-        self.final_train_loss = window.last_step_loss
         metrics = {
             "train_loss": window.mean_loss,
             "lr": float(self.optimizer.param_groups[0]["lr"]),
@@ -216,16 +250,61 @@ class _Run:
                 callback.on_log(done, self.val_metrics)
         return time.perf_counter() - started
 
+    def _save_checkpoint(self, done: int) -> Path:
+        """Everything the next step depends on, taken at this step boundary."""
+        state = {
+            "step": done,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "precision": self.precision.state_dict(),
+            "rng": capture_rng(),
+            "losses": self.tracker.state_dict(),
+            "progress": dict(self.progress),
+            "config": self.cfg.to_dict(),
+            "dataset_size": self.dataset_size,
+            "micro_batch_size": self.plan.micro_batch_size,
+            "accumulation_steps": self.plan.accumulation_steps,
+            "leantrain_version": __version__,
+        }
+        return self.checkpoints.save(done, state)
+
+    def _resume(self, resume: str | None) -> None:
+        """Load the checkpoint that ``resume`` names, if any, into the run's pieces."""
+        if resume is None:
+            return
+        if resume == "auto":
+            found = self.checkpoints.newest_valid(warn=lambda text: print(f"leantrain: {text}"))
+            if found is None:
+                return  # nothing saved yet: start fresh
+            path, state = found
+        else:
+            path = Path(resume)
+            state = load_checkpoint(path)
+        check_compatible(state, path, self.cfg.to_dict(), self.dataset_size)
+        load_into(self.model, state["model"], "model", path)
+        load_into(self.optimizer, state["optimizer"], "optimizer", path)
+        if (state["scheduler"] is None) != (self.scheduler is None):
+            has = "has" if state["scheduler"] is not None else "has no"
+            raise CheckpointError(f"checkpoint {path} {has} scheduler state, unlike this task")
+        if self.scheduler is not None:
+            load_into(self.scheduler, state["scheduler"], "scheduler", path)
+        load_into(self.precision, state["precision"], "precision", path)
+        self.tracker.load_state_dict(state["losses"], self.device)
+        self.progress.update(state["progress"])
+        self.start_step = min(state["step"], self.total_steps)
+        self._saved_rng = state["rng"]
+
     def finish(self, started: float) -> FitResult:
         """Write the weights and summary.json; return the result."""
-        export_weights(self.model, self.run_dir / "model.safetensors")
-        samples = self.steps_done * self.plan.global_batch_size
+        export_weights(self.model.state_dict(), self.run_dir / "model.safetensors")
+        samples = self.total_steps * self.plan.global_batch_size
         result = FitResult(
-            steps=self.steps_done,
+            steps=self.total_steps,
             samples=samples,
-            final_train_loss=self.final_train_loss,
-            samples_per_second=samples / max(self.train_seconds, 1e-9),
-            wall_seconds=time.perf_counter() - started,
+            final_train_loss=self.progress["final_train_loss"],
+            samples_per_second=samples / max(self.progress["train_seconds"], 1e-9),
+            wall_seconds=self.progress["wall_seconds"] + time.perf_counter() - started,
             micro_batch_size=self.plan.micro_batch_size,
             accumulation_steps=self.plan.accumulation_steps,
             world_size=self.plan.world_size,
@@ -249,8 +328,11 @@ def _build_model(task: Any, device: torch.device) -> nn.Module:
     return model.to(device)
 
 
-def _prepare_run_dir(out_dir: str | None, name: str) -> Path:
-    """The run folder (created when the run starts writing); one that already holds a run is refused."""
+def _prepare_run_dir(out_dir: str | None, name: str, resume: str | None) -> Path:
+    """The run folder (created when the run starts writing).
+
+    Without ``resume``, a folder that already holds a run is refused, so nothing is overwritten.
+    """
     if out_dir is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{name}-{stamp}"
@@ -258,7 +340,11 @@ def _prepare_run_dir(out_dir: str | None, name: str) -> Path:
         path = Path(out_dir)
     if path.is_file():
         raise LeantrainError(f"out_dir {path} is a file, not a folder")
-    for marker in ("metrics.csv", "summary.json"):
-        if (path / marker).exists():
-            raise LeantrainError(f"out_dir {path} already holds a run ({marker}); choose another out_dir")
+    if resume is None:
+        for marker in ("metrics.csv", "summary.json", "checkpoints"):
+            if (path / marker).exists():
+                raise LeantrainError(
+                    f"out_dir {path} already holds a run ({marker}); continue it with --resume auto "
+                    "or choose another out_dir"
+                )
     return path

@@ -171,6 +171,9 @@ FROZEN_FIT_FLAGS = {
     "--val-every-n-steps",
     "--progress",
     "--tensorboard",
+    "--checkpoint-every",
+    "--keep-checkpoints",
+    "--resume",
 }
 
 

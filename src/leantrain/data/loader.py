@@ -9,18 +9,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 from leantrain.errors import DataError, TaskError
+from leantrain.runtime import seed_everything
 
 
 class NamedItemErrors(Dataset):
-    """Wraps a map-style dataset so that a failing item names its index."""
+    """Wraps a map-style dataset: a failing item names its index, and workers seed per micro-batch."""
 
-    def __init__(self, dataset: Dataset, name: str) -> None:
+    def __init__(self, dataset: Dataset, name: str, seed: int = 0) -> None:
         self.dataset = dataset
         self.name = name
+        self.seed = seed
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -30,6 +33,17 @@ class NamedItemErrors(Dataset):
             return self.dataset[index]
         except Exception as error:
             raise DataError(f"{self.name} item {index} failed: {type(error).__name__}: {error}") from error
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        # In a worker, reseed from the micro-batch's place in the run: augmentation is then
+        # the same whichever worker loads it, and after a resume. The main process
+        # (num_workers=0) keeps one RNG stream, which checkpoints save and restore.
+        position = getattr(indices, "position", None)
+        if position is not None and get_worker_info() is not None:
+            seed_everything(
+                int(np.random.SeedSequence([self.seed, *position]).generate_state(1, np.uint64)[0])
+            )
+        return [self[index] for index in indices]
 
 
 def check_map_style(dataset: Any, name: str) -> int:
@@ -59,7 +73,7 @@ def build_loader(
 ) -> DataLoader:
     """A DataLoader over ``dataset`` with item errors named; workers stay alive across epochs."""
     return DataLoader(
-        NamedItemErrors(dataset, name),
+        NamedItemErrors(dataset, name, seed),
         batch_sampler=batch_sampler,
         batch_size=batch_size if batch_sampler is None else 1,
         shuffle=False,

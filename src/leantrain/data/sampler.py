@@ -30,6 +30,19 @@ def steps_per_epoch(dataset_size: int, plan: BatchPlan) -> int:
     return dataset_size // plan.global_batch_size
 
 
+class MicroBatch(list):
+    """The indices of one micro-batch, and where it sits in the run: ``(step, rank, micro)``.
+
+    Worker processes seed their RNGs from ``(seed, *position)`` before loading it (see
+    ``data/loader.py``), so random augmentation depends on the sample's place in the run,
+    not on which worker loads it or whether the run was resumed.
+    """
+
+    def __init__(self, indices: list[int], position: tuple[int, int, int]) -> None:
+        super().__init__(indices)
+        self.position = position
+
+
 class GlobalBatchSampler(Sampler[list[int]]):
     """Yields this rank's micro-batches (lists of indices) for steps ``start_step..total_steps-1``."""
 
@@ -78,8 +91,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         micro = self.plan.micro_batch_size
         for step in range(self.start_step, self.total_steps):
             mine = self.global_batch(step)[self.rank * share : (self.rank + 1) * share]
-            for start in range(0, share, micro):
-                yield mine[start : start + micro].tolist()
+            for number, start in enumerate(range(0, share, micro)):
+                yield MicroBatch(mine[start : start + micro].tolist(), (step, self.rank, number))
 
     def __len__(self) -> int:
         return max(self.total_steps - self.start_step, 0) * self.plan.accumulation_steps

@@ -43,6 +43,21 @@ class LossTracker:
     def __len__(self) -> int:
         return len(self._steps)
 
+    def state_dict(self) -> dict[str, list]:
+        """The losses not yet logged (a checkpoint between log points keeps them)."""
+        return {
+            "steps": list(self._steps),
+            "totals": [t.detach() for t in self._totals],
+            "weights": [w.detach() if isinstance(w, torch.Tensor) else w for w in self._weights],
+            "is_mean": list(self._is_mean),
+        }
+
+    def load_state_dict(self, state: dict[str, list], device: torch.device) -> None:
+        self._steps = list(state["steps"])
+        self._totals = [t.to(device) for t in state["totals"]]
+        self._weights = [w.to(device) if isinstance(w, torch.Tensor) else w for w in state["weights"]]
+        self._is_mean = list(state["is_mean"])
+
     def read(self) -> LossWindow | None:
         """Reduce and clear the window (a host sync); None when nothing was added."""
         if not self._steps:

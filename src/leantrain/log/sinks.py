@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Sink(Protocol):
@@ -18,19 +18,27 @@ class CSVSink:
     """``metrics.csv``: one row per log point, one column per metric name.
 
     Validation metrics appear only after the first validation, so a new column can
-    arrive late; the file is then rewritten once with the wider header.
+    arrive late; the file is then rewritten once with the wider header. A resumed run
+    keeps the rows up to its checkpoint's step and drops the later ones, which the
+    resumed run logs again.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, keep_until_step: int = 0) -> None:
         self.path = path
         self.columns: list[str] = ["step"]
-        self.rows: list[dict[str, float]] = []
+        self.rows: list[dict[str, Any]] = []
+        if keep_until_step and path.exists():
+            with path.open(newline="") as previous:
+                reader = csv.DictReader(previous)
+                self.columns = list(reader.fieldnames or ["step"])
+                self.rows = [row for row in reader if int(row["step"]) <= keep_until_step]
         self._file = path.open("w", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=self.columns)
         self._writer.writeheader()
+        self._writer.writerows(self.rows)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        row = {"step": step, **metrics}
+        row: dict[str, Any] = {"step": step, **metrics}
         self.rows.append(row)
         new = [name for name in row if name not in self.columns]
         if new:
@@ -58,12 +66,17 @@ def tensorboard_tag(name: str) -> str:
 
 
 class TensorBoardSink:
-    """TensorBoard event files in the run folder (``tensorboard --logdir DIR``)."""
+    """TensorBoard event files in the run folder (``tensorboard --logdir DIR``).
 
-    def __init__(self, log_dir: Path) -> None:
+    A resumed run hides the events that the interrupted run wrote after the checkpoint.
+    """
+
+    def __init__(self, log_dir: Path, keep_until_step: int = 0) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
 
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        self._writer = SummaryWriter(
+            log_dir=str(log_dir), purge_step=keep_until_step + 1 if keep_until_step else None
+        )
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():

@@ -1,0 +1,124 @@
+"""Kill ``leantrain fit`` for real (SIGKILL, SIGTERM), resume it, and compare the final weights."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
+# digits: 1,437 training samples / 32 = 44 steps an epoch, so 50 steps cross an epoch
+# boundary and every kill lands mid-epoch; micro-batch 8 = 4 accumulation steps.
+FIT = ["fit", "--example", "digits", "--global-batch-size", "32", "--micro-batch-size", "8",
+       "--max-steps", "50", "--checkpoint-every", "4", "--log-every-n-steps", "1", "--progress", "plain",
+       "--tensorboard", "false"]  # fmt: skip
+
+
+def start(out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [LEANTRAIN, *FIT, "--out", str(out), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(out: Path, *extra: str) -> None:
+    done = subprocess.run(
+        [LEANTRAIN, *FIT, "--out", str(out), *extra], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def wait_for_step(process: subprocess.Popen, step: int) -> None:
+    """Read the plain progress lines until training has passed ``step``."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("step ") and int(line.split()[1].split("/")[0]) >= step:
+            return
+    raise AssertionError(
+        f"the run ended before step {step}: {process.stderr.read() if process.stderr else ''}"
+    )
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("reference") / "run"
+    finish(out)
+    return weights(out)
+
+
+def assert_bit_identical(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sigkill_at_a_random_moment_then_resume_auto(tmp_path, reference, seed):
+    chooser = random.Random(seed)
+    out = tmp_path / "run"
+    process = start(out)
+    wait_for_step(process, chooser.randint(2, 45))
+    time.sleep(chooser.uniform(0, 0.05))  # anywhere inside the next step, or its save
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    finish(out, "--resume", "auto")
+    assert_bit_identical(weights(out), reference)
+
+
+def test_sigkill_during_a_checkpoint_save(tmp_path, reference):
+    """Kill exactly while a checkpoint's temporary file is being written; resume from the previous one."""
+    out = tmp_path / "run"
+    folder = out / "checkpoints"
+    process = start(out, "--checkpoint-every", "1")
+    caught_in_save = False
+    while process.poll() is None and not caught_in_save:
+        if folder.is_dir() and any(".tmp-" in name.name for name in folder.iterdir()):
+            process.send_signal(signal.SIGKILL)
+            caught_in_save = True
+    process.wait()
+    if not caught_in_save:
+        pytest.skip("every save finished before the poll saw it; nothing was killed")
+    assert any(".tmp-" in p.name for p in folder.iterdir()), "the kill landed after the save completed"
+    finish(out, "--checkpoint-every", "1", "--resume", "auto")
+    assert_bit_identical(weights(out), reference)
+
+
+def test_sigterm_saves_exits_128_plus_15_and_resumes(tmp_path, reference):
+    out = tmp_path / "run"
+    process = start(out)
+    wait_for_step(process, 13)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM after step" in stderr and "--resume auto" in stderr
+    assert "Traceback" not in stderr
+    finish(out, "--resume", "auto")
+    assert_bit_identical(weights(out), reference)
+
+
+def test_export_turns_a_checkpoint_into_the_same_weights(tmp_path, reference):
+    out = tmp_path / "run"
+    finish(out)
+    checkpoint = out / "checkpoints" / "step-00000050.pt"
+    done = subprocess.run([LEANTRAIN, "export", str(checkpoint), str(tmp_path / "w.safetensors")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert_bit_identical(load_file(tmp_path / "w.safetensors"), reference)
+    broken = subprocess.run([LEANTRAIN, "export", str(tmp_path / "none.pt"), str(tmp_path / "x")],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert broken.returncode == 2
+    assert broken.stderr.strip() == f"leantrain: error: checkpoint {tmp_path / 'none.pt'} does not exist"

@@ -1,0 +1,213 @@
+"""Checkpoint files: atomic, safe to load, and clear about what is wrong."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import leantrain as lt
+from leantrain.checkpoint import (
+    CheckpointFolder,
+    capture_rng,
+    check_compatible,
+    export_checkpoint,
+    load_checkpoint,
+    load_into,
+    restore_rng,
+    save_checkpoint,
+    unique_tensors,
+)
+
+
+def small_state(step: int = 1) -> dict:
+    return {"step": step, "model": nn.Linear(3, 2).state_dict(), "config": {"seed": 0}, "dataset_size": 10}
+
+
+def test_round_trip_keeps_tensors_and_plain_values(tmp_path):
+    state = small_state(7)
+    save_checkpoint(tmp_path / "a.pt", state)
+    loaded = load_checkpoint(tmp_path / "a.pt")
+    assert loaded["step"] == 7 and loaded["config"] == {"seed": 0}
+    assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+
+
+def test_folder_keeps_the_newest_k_and_ignores_unfinished_saves(tmp_path):
+    folder = CheckpointFolder(tmp_path / "checkpoints", keep=2)
+    for step in (5, 10, 15):
+        folder.save(step, small_state(step))
+    assert [p.name for p in folder.files()] == ["step-00000010.pt", "step-00000015.pt"]
+    (tmp_path / "checkpoints" / ".step-00000020.pt.tmp-123").write_bytes(b"half")
+    assert len(folder.files()) == 2
+    path, state = folder.newest_valid(warn=print)
+    assert path.name == "step-00000015.pt" and state["step"] == 15
+    folder.save(20, small_state(20))
+    assert not list((tmp_path / "checkpoints").glob(".*tmp*"))  # the stale temporary file is cleaned
+
+
+def test_newest_valid_skips_a_corrupt_newest_file_with_a_warning(tmp_path):
+    folder = CheckpointFolder(tmp_path, keep=5)
+    folder.save(1, small_state(1))
+    newest = folder.save(2, small_state(2))
+    newest.write_bytes(newest.read_bytes()[:100])
+    warnings: list[str] = []
+    _, state = folder.newest_valid(warn=warnings.append)
+    assert state["step"] == 1
+    assert len(warnings) == 1 and str(newest) in warnings[0] and "corrupt or truncated" in warnings[0]
+
+
+def expect_one_line_error(path, fragment):
+    with pytest.raises(lt.CheckpointError) as caught:
+        load_checkpoint(path)
+    message = str(caught.value)
+    assert "\n" not in message and str(path) in message and fragment in message
+    return message
+
+
+def test_truncated_file(tmp_path):
+    save_checkpoint(tmp_path / "c.pt", small_state())
+    data = (tmp_path / "c.pt").read_bytes()
+    (tmp_path / "c.pt").write_bytes(data[: len(data) // 2])
+    expect_one_line_error(tmp_path / "c.pt", "is corrupt or truncated")
+
+
+def test_random_bytes(tmp_path):
+    (tmp_path / "r.pt").write_bytes(os.urandom(4096))
+    expect_one_line_error(tmp_path / "r.pt", "is corrupt or truncated")
+
+
+def test_missing_file_and_folder(tmp_path):
+    expect_one_line_error(tmp_path / "none.pt", "does not exist")
+    expect_one_line_error(tmp_path, "does not exist (it is a folder)")
+
+
+def test_a_torch_file_that_is_not_a_leantrain_checkpoint(tmp_path):
+    torch.save({"weights": torch.ones(2)}, tmp_path / "other.pt")
+    expect_one_line_error(tmp_path / "other.pt", "is not a leantrain checkpoint")
+
+
+class RunsCode:
+    """Unpickling this calls os.system: the classic pickle exploit."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize(
+    ("container", "refusal"),
+    [
+        ("torch.save", "holds objects that are not plain data, refused"),
+        ("raw pickle", "is corrupt or truncated"),
+    ],
+)
+def test_a_pickle_that_would_run_code_is_refused_and_does_not_run(tmp_path, container, refusal):
+    marker = tmp_path / "pwned"
+    payload = {"format": "leantrain-checkpoint", "format_version": 1, "evil": RunsCode(str(marker))}
+    path = tmp_path / "evil.pt"
+    if container == "torch.save":
+        torch.save(payload, path)
+    else:
+        path.write_bytes(pickle.dumps(payload))
+    expect_one_line_error(path, refusal)
+    assert not marker.exists()
+
+
+def test_the_exploit_used_above_does_run_code_when_unpickled_naively(tmp_path):
+    marker = tmp_path / "pwned"
+    pickle.loads(pickle.dumps(RunsCode(str(marker))))
+    assert marker.exists()
+
+
+def test_model_mismatch_names_the_file_and_the_keys(tmp_path):
+    path = tmp_path / "c.pt"
+    with pytest.raises(lt.CheckpointError) as caught:
+        load_into(nn.Linear(3, 4), nn.Linear(3, 2).state_dict(), "model", path)
+    message = str(caught.value)
+    assert "\n" not in message and str(path) in message and "size mismatch for weight" in message
+
+
+def test_config_and_data_mismatch(tmp_path):
+    state = {
+        "config": {"global_batch_size": 64, "seed": 0, "shuffle": True, "precision": "32"},
+        "dataset_size": 100,
+    }
+    config = dict(state["config"])
+    check_compatible(state, tmp_path, config, 100)
+    with pytest.raises(
+        lt.CheckpointError, match="global_batch_size=64 but this run has global_batch_size=32"
+    ):
+        check_compatible(state, tmp_path, {**config, "global_batch_size": 32}, 100)
+    with pytest.raises(lt.CheckpointError, match="100 training samples but this run has 99"):
+        check_compatible(state, tmp_path, config, 99)
+
+
+def test_rng_states_round_trip_through_a_safe_load(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    save_checkpoint(tmp_path / "rng.pt", {"rng": capture_rng()})
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    restore_rng(load_checkpoint(tmp_path / "rng.pt")["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected
+
+
+def test_tied_weights_are_exported_once():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+    unique = unique_tensors(Tied().state_dict())
+    assert list(unique) == ["embed.weight"]
+
+
+def test_export_command_matches_the_weights_of_the_checkpoint(tmp_path):
+    model = nn.Linear(3, 2)
+    save_checkpoint(tmp_path / "c.pt", {"model": model.state_dict()})
+    written = export_checkpoint(tmp_path / "c.pt", tmp_path)
+    assert written == tmp_path / "model.safetensors"
+    weights = load_file(written)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+CRASH_DURING_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from leantrain.checkpoint import save_checkpoint
+    path = sys.argv[1]
+    save_checkpoint(path, {"step": 1, "blob": torch.zeros(1000)})
+
+    real_save = torch.save
+    def save_then_die(obj, target):
+        real_save({"step": 2, "blob": torch.ones(4_000_000)}, target)   # a large, partly written file
+        with open(target, "r+b") as handle:
+            handle.truncate(os.path.getsize(target) // 3)
+        os.kill(os.getpid(), signal.SIGKILL)                             # killed in the middle of the save
+    torch.save = save_then_die
+    save_checkpoint(path, {"step": 2})
+    """
+)
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    path = tmp_path / "step.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", CRASH_DURING_SAVE, str(path)], capture_output=True, timeout=120
+    )
+    assert done.returncode == -9, done.stderr
+    leftovers = [p for p in tmp_path.iterdir() if p.name != "step.pt"]
+    assert leftovers and all(".tmp-" in p.name for p in leftovers)  # the torn file is the temporary one
+    assert load_checkpoint(path)["step"] == 1

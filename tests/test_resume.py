@@ -1,0 +1,168 @@
+"""Exact resume: a run stopped at any step and resumed ends bit-identical to an uninterrupted one."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+import leantrain as lt
+from tests.conftest import RegressionTask, quiet_config
+
+
+class NoisyImages(Dataset):
+    """Items drawn with torch's global RNG: random augmentation, in the loader's process."""
+
+    def __init__(self, size: int = 72) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.full((8,), float(index % 5)) + 0.3 * torch.randn(8), index % 3
+
+
+class RandomnessEverywhere:
+    """Dropout, random augmentation, Adam, a scheduler: every piece of state a resume must restore."""
+
+    def model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+
+    def train_data(self) -> Dataset:
+        return NoisyImages()
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=1e-2)
+
+    def scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
+
+
+class StopAt:
+    """Simulates a crash: raises after the given optimizer step (the loop is left mid-run)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step(self, stats: lt.StepStats) -> None:
+        if stats.step == self.step:
+            raise KeyboardInterrupt
+
+
+SETTINGS = dict(global_batch_size=16, micro_batch_size=8, max_steps=14, log_every_n_steps=3)
+
+
+def train(out_dir, callbacks=(), **changes) -> lt.FitResult:
+    return lt.Trainer(quiet_config(out_dir, **{**SETTINGS, **changes}), callbacks=list(callbacks)).fit(
+        RandomnessEverywhere()
+    )
+
+
+def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+
+
+def metric_rows(run_dir) -> list[dict]:
+    return list(csv.DictReader((run_dir / "metrics.csv").open()))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_mid_epoch_is_bit_identical(tmp_path, workers):
+    # 72 samples / 16 = 4 steps an epoch; a crash after step 9 resumes from the checkpoint of
+    # step 6 (mid-epoch 1), between two log points.
+    reference = train(tmp_path / "reference", num_workers=workers, checkpoint_every=2)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "run", [StopAt(9)], num_workers=workers, checkpoint_every=3)
+    resumed = train(tmp_path / "run", num_workers=workers, checkpoint_every=3, resume="auto")
+    assert_same_parameters(reference.model, resumed.model)
+    assert resumed.final_train_loss == reference.final_train_loss
+    drop = {"samples_per_second"}  # timing differs, everything else is the same
+    rows = [{k: v for k, v in row.items() if k not in drop} for row in metric_rows(tmp_path / "run")]
+    expected = [
+        {k: v for k, v in row.items() if k not in drop} for row in metric_rows(tmp_path / "reference")
+    ]
+    assert rows == expected
+
+
+def test_without_the_rng_state_the_resume_would_differ(tmp_path, monkeypatch):
+    """The control for the test above: dropout and augmentation really depend on the restored RNG."""
+    reference = train(tmp_path / "reference", checkpoint_every=3)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "run", [StopAt(7)], checkpoint_every=3)
+    monkeypatch.setattr("leantrain.trainer.restore_rng", lambda state: None)
+    resumed = train(tmp_path / "run", checkpoint_every=3, resume="auto")
+    assert not all(
+        torch.equal(x, y)
+        for x, y in zip(reference.model.parameters(), resumed.model.parameters(), strict=True)
+    )
+
+
+def test_sigterm_saves_a_checkpoint_and_stops_cleanly(tmp_path):
+    class SendSigterm:
+        def on_step(self, stats: lt.StepStats) -> None:
+            if stats.step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    reference = train(tmp_path / "reference")
+    with pytest.raises(lt.RunInterrupted) as caught:
+        train(tmp_path / "run", [SendSigterm()])
+    assert caught.value.step == 5 and caught.value.signal_name == "SIGTERM"
+    assert caught.value.checkpoint.endswith("step-00000005.pt")
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is removed again
+    resumed = train(tmp_path / "run", resume="auto")
+    assert_same_parameters(reference.model, resumed.model)
+
+
+def test_resume_from_a_named_file_and_train_longer(tmp_path):
+    short = train(tmp_path / "short", max_steps=6)
+    longer = train(tmp_path / "longer", max_steps=10)
+    checkpoint = short.out_dir / "checkpoints" / "step-00000006.pt"
+    extended = train(tmp_path / "extended", max_steps=10, resume=str(checkpoint))
+    assert_same_parameters(longer.model, extended.model)
+
+
+def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
+    fresh = train(tmp_path / "a")
+    also_fresh = train(tmp_path / "b", resume="auto")
+    assert_same_parameters(fresh.model, also_fresh.model)
+
+
+def test_a_changed_global_batch_is_refused(tmp_path):
+    train(tmp_path / "run", max_steps=4)
+    with pytest.raises(lt.CheckpointError, match="global_batch_size=16 but this run has global_batch_size=8"):
+        train(tmp_path / "run", global_batch_size=8, micro_batch_size=8, resume="auto")
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    lt.Trainer(quiet_config(tmp_path / "other", global_batch_size=16, max_steps=1)).fit(
+        RegressionTask(samples=72)
+    )
+    checkpoint = tmp_path / "other" / "checkpoints" / "step-00000001.pt"
+    with pytest.raises(lt.CheckpointError, match=r"does not match this run's model: .*Missing key"):
+        train(tmp_path / "run", resume=str(checkpoint), micro_batch_size=16)
+
+
+def test_a_finished_run_folder_needs_resume_to_be_reused(tmp_path):
+    train(tmp_path / "run", max_steps=2)
+    with pytest.raises(lt.LeantrainError, match=r"already holds a run .* --resume auto"):
+        train(tmp_path / "run", max_steps=2)
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    train(tmp_path / "run", checkpoint_every=2, keep_checkpoints=2)
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["step-00000012.pt", "step-00000014.pt"]
