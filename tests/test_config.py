@@ -29,6 +29,10 @@ BAD_VALUES = [
     ("val_every_n_steps", 0, "positive integer"),
     ("progress", "fancy", "one of auto, rich, plain, none"),
     ("out_dir", 5, "a string or null"),
+    ("checkpoint_every", 0, "positive integer"),
+    ("keep_checkpoints", 0, "positive integer"),
+    ("resume", "auto", "needs out_dir: the run folder to resume"),
+    ("resume", " ", "must be auto or the path of a checkpoint file"),
 ]
 
 

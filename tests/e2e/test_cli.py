@@ -74,6 +74,7 @@ def test_flags_and_yaml_config_set_the_same_fields(tmp_path):
         (["--config", "missing.yaml"], "File does not exist"),
         (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag 1"),
         (["--device", "cuda:7"], "invalid device='cuda:7'"),
+        (["--resume", "missing.pt"], "checkpoint missing.pt does not exist"),
     ],
 )
 def test_bad_input_prints_one_line_and_exits_2(tmp_path, args, message):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
 # digits: 1,437 training samples / 32 = 44 steps an epoch, so 50 steps cross an epoch
-# boundary and every kill lands mid-epoch; micro-batch 8 = 4 accumulation steps.
+# boundary, and most kills land mid-epoch; micro-batch 8 = 4 accumulation steps.
 FIT = ["fit", "--example", "digits", "--global-batch-size", "32", "--micro-batch-size", "8",
        "--max-steps", "50", "--checkpoint-every", "4", "--log-every-n-steps", "1", "--progress", "plain",
        "--tensorboard", "false"]  # fmt: skip
