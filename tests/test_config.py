@@ -22,7 +22,7 @@ BAD_VALUES = [
     ("num_workers", -2, "0 or more"),
     ("prefetch_factor", 2, "needs num_workers > 0"),
     ("device", "tpu", "allowed: auto, cpu, cuda, cuda:N, mps"),
-    ("strategy", "ddpp", "one of auto, single"),
+    ("strategy", "ddpp", "one of auto, single, ddp, dp"),
     ("seed", -1, "between 0 and 2**63 - 1"),
     ("deterministic", 1, "true or false"),
     ("log_every_n_steps", 0, "positive integer"),

@@ -1,4 +1,4 @@
-"""The ``leantrain`` command: ``fit``, ``examples`` and ``export``.
+"""The ``leantrain`` command: ``fit``, ``launch``, ``slurm``, ``examples`` and ``export``.
 
 Every :class:`TrainConfig` field is a hyphenated ``fit`` flag and a key of the YAML file
 given with ``--config``; the flags are generated from the dataclass, grouped as its
@@ -24,6 +24,9 @@ from leantrain.checkpoint import export_checkpoint
 from leantrain.config import GROUPS, TrainConfig, coerce, metavar
 from leantrain.errors import LeantrainError, RunInterrupted, TaskError
 from leantrain.examples import DEFAULT_EXAMPLE, EXAMPLES, load_example
+from leantrain.parallel.env import detect
+from leantrain.parallel.launch import LaunchOptions, launch
+from leantrain.parallel.slurm import SlurmOptions, sbatch_script, submit
 from leantrain.task import load_task
 from leantrain.trainer import FitResult, Trainer
 
@@ -75,6 +78,8 @@ def build_parser() -> ArgumentParser:
     commands.add_subcommand(
         "examples", ArgumentParser(exit_on_error=False), help="list the built-in example tasks"
     )
+    commands.add_subcommand("launch", _launch_parser(), help="run fit as several processes (torchrun)")
+    commands.add_subcommand("slurm", _slurm_parser(), help="submit fit as a SLURM job (sbatch)")
     export = ArgumentParser(
         description="Write a checkpoint's model weights as safetensors.", exit_on_error=False
     )
@@ -82,6 +87,59 @@ def build_parser() -> ArgumentParser:
     export.add_argument("out", help="the .safetensors file to write (or a folder: OUT/model.safetensors)")
     commands.add_subcommand("export", export, help="turn a checkpoint into safetensors weights")
     return parser
+
+
+def _launch_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        description="Start `fit` as several processes with torchrun's elastic launcher: "
+        "leantrain launch --nproc-per-node 2 fit [fit flags]",
+        exit_on_error=False,
+    )
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (one per GPU)")
+    parser.add_argument("--nnodes", default="1", help="nodes in the run, or MIN:MAX for elastic membership")
+    parser.add_argument(
+        "--node-rank", type=int | None, default=None, help="this node's rank (static rendezvous)"
+    )
+    parser.add_argument(
+        "--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (node 0); multi-node"
+    )
+    parser.add_argument("--rdzv-id", default="leantrain", help="the run's id, the same on every node")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the group this often after a failure (use --resume auto)",
+    )
+    parser.add_argument("fit_arguments", nargs=argparse.REMAINDER, help="fit, then the fit flags")
+    return parser
+
+
+def _slurm_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        description="Submit `fit` as a SLURM job: one task per node runs `leantrain launch`; "
+        "near the time limit it checkpoints and requeues itself.",
+        exit_on_error=False,
+    )
+    parser.add_argument("--nodes", type=int, default=1, help="nodes")
+    parser.add_argument("--gpus-per-node", type=int, default=1, help="GPUs (= processes) per node")
+    parser.add_argument("--partition", default=None, help="SLURM partition")
+    parser.add_argument("--time", default=None, help="time limit, e.g. 2:00:00")
+    parser.add_argument("--job-name", default="leantrain", help="job name")
+    parser.add_argument("--dry-run", type=bool, default=False, help="print the sbatch script, do not submit")
+    parser.add_argument("fit_arguments", nargs=argparse.REMAINDER, help="fit, then the fit flags")
+    return parser
+
+
+def _fit_arguments(values: dict[str, Any], command: str) -> list[str]:
+    """The flags after ``launch ... fit``, checked now: bad input fails before any process starts."""
+    arguments = list(values.pop("fit_arguments"))
+    if not arguments or arguments[0] != "fit":
+        raise LeantrainError(
+            f"{command} needs the command to run: leantrain {command} [options] fit [fit flags]"
+        )
+    parsed = build_parser().parse_args(arguments).fit.as_dict()
+    config_from_args(parsed)
+    return arguments[1:]
 
 
 def config_from_args(values: dict[str, Any]) -> TrainConfig:
@@ -105,7 +163,8 @@ def run_fit(values: dict[str, Any], console: Console) -> FitResult:
     cfg = config_from_args(values)
     task, name = resolve_task(values.get("task"), values.get("example"))
     result = Trainer(cfg).fit(task, name=name)
-    console.print(_summary_table(result))
+    if detect().is_main:  # in a multi-process run, rank 0 speaks for all
+        console.print(_summary_table(result))
     return result
 
 
@@ -138,6 +197,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         namespace = build_parser().parse_args(args)
         if namespace.command == "examples":
             list_examples(console)
+        elif namespace.command == "launch":
+            values = namespace.launch.as_dict()
+            fit_arguments = _fit_arguments(values, "launch")
+            return launch(LaunchOptions(**values), fit_arguments)
+        elif namespace.command == "slurm":
+            values = namespace.slurm.as_dict()
+            fit_arguments = _fit_arguments(values, "slurm")
+            dry_run = values.pop("dry_run")
+            script = sbatch_script(SlurmOptions(**values), fit_arguments)
+            if dry_run:
+                print(script, end="")
+            else:
+                console.print(f"submitted SLURM job {submit(script)}")
         elif namespace.command == "export":
             written = export_checkpoint(namespace.export.checkpoint, namespace.export.out)
             console.print(f"wrote {written}")

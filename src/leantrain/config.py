@@ -19,7 +19,7 @@ from typing import Any, Literal, Union
 from leantrain.errors import ConfigError
 
 Precision = Literal["32", "bf16-mixed", "16-mixed"]
-Strategy = Literal["auto", "single"]
+Strategy = Literal["auto", "single", "ddp", "dp"]
 ProgressMode = Literal["auto", "rich", "plain", "none"]
 
 GROUPS = {
@@ -69,7 +69,9 @@ class TrainConfig:
     )
     # parallel
     device: str = _field("auto", "parallel", "auto (CUDA if present, else CPU), cpu, cuda, cuda:N or mps")
-    strategy: Strategy = _field("auto", "parallel", "how the work is spread over devices")
+    strategy: Strategy = _field(
+        "auto", "parallel", "auto: ddp when launched as several processes, else single; dp: DataParallel"
+    )
     # reproducibility
     seed: int = _field(0, "reproducibility", "seeds Python, NumPy, torch and the sample order")
     deterministic: bool = _field(False, "reproducibility", "use only deterministic kernels (slower)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,11 +29,17 @@ def batch_size_of(batch: Any) -> int:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, task: Any, batches: Iterable[Any], device: torch.device, precision: Precision
+    model: nn.Module,
+    task: Any,
+    batches: Iterable[Any],
+    device: torch.device,
+    precision: Precision,
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Mean loss (``val_loss``) and mean of each task metric (``val_<name>``), weighted by samples.
 
-    Sums stay on the device until the end: one host sync per validation.
+    Sums stay on the device until the end: one host sync per validation. With
+    ``all_reduce_sum``, each rank evaluates its share of the data and the sums are added.
     """
     metrics_fn = getattr(task, "metrics", None)
     sums: dict[str, torch.Tensor] = {}
@@ -59,4 +65,13 @@ def evaluate(
                 add(name, torch.as_tensor(value).mean() * samples, samples)
     finally:
         model.train(was_training)
-    return {f"val_{name}": float(sums[name] / weights[name]) for name in sums}
+    names = sorted(sums)
+    totals = torch.stack(
+        [torch.stack([sums[n], torch.as_tensor(weights[n], device=device).double()]) for n in names]
+    )
+    if all_reduce_sum is not None:
+        totals = all_reduce_sum(totals)
+    return {
+        f"val_{name}": float(total / weight)
+        for name, (total, weight) in zip(names, totals.cpu(), strict=True)
+    }

@@ -8,6 +8,7 @@ itself makes no host synchronisation between log points: losses stay on the devi
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -16,7 +17,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils.data import Subset
 
 from leantrain._version import __version__
 from leantrain.batching import Accumulator, BatchPlan, StepOutcome
@@ -24,6 +27,7 @@ from leantrain.checkpoint import (
     CheckpointFolder,
     capture_rng,
     check_compatible,
+    checkpoint_name,
     export_weights,
     load_checkpoint,
     load_into,
@@ -37,6 +41,8 @@ from leantrain.evaluation import evaluate
 from leantrain.files import atomic_write_json
 from leantrain.log.metrics import LossTracker
 from leantrain.log.run_logger import RunLogger
+from leantrain.parallel.apply import init_process_group, parallelize, resolve_strategy
+from leantrain.parallel.env import ClusterEnv, detect
 from leantrain.precision import make_precision
 from leantrain.runtime import (
     StopSignals,
@@ -105,31 +111,43 @@ class Trainer:
         cfg = self.config
         name = name or type(task).__name__
         check_task(task, name)
-        device = resolve_device(cfg.device)
+        env = detect()
+        strategy = resolve_strategy(cfg.strategy, env)
+        device = _process_device(resolve_device(cfg.device), env)
         run_dir = _prepare_run_dir(cfg.out_dir, name, cfg.resume)
-        with deterministic_kernels(cfg.deterministic):
-            seed_everything(cfg.seed)
-            run = _Run(cfg, task, device, run_dir)
-            try:
-                with StopSignals() as signals:
-                    run.train(self.callbacks, signals)
-            finally:
-                run.logger.close()
-            return run.finish(started)
+        created_group = init_process_group(env, device)
+        try:
+            with deterministic_kernels(cfg.deterministic):
+                seed_everything(cfg.seed)
+                run = _Run(cfg, task, device, run_dir, env, strategy)
+                try:
+                    with StopSignals() as signals:
+                        run.train(self.callbacks, signals)
+                finally:
+                    run.logger.close()
+                return run.finish(started)
+        finally:
+            if created_group:
+                dist.destroy_process_group()
 
 
 class _Run:
     """The pieces of one run, built from the config before the loop starts."""
 
-    def __init__(self, cfg: TrainConfig, task: Any, device: torch.device, run_dir: Path) -> None:
-        self.cfg, self.task, self.device, self.run_dir = cfg, task, device, run_dir
-        self.plan = BatchPlan.from_config(cfg, world_size=1)
-        self.model = _build_model(task, device)
+    def __init__(
+        self, cfg: TrainConfig, task: Any, device: torch.device, run_dir: Path, env: ClusterEnv, strategy: str
+    ) -> None:
+        self.cfg, self.task, self.device, self.run_dir, self.env = cfg, task, device, run_dir, env
+        self.plan = BatchPlan.from_config(cfg, world_size=env.world_size)
+        self.model = _build_model(task, device)  # unwrapped: state dicts and weights
+        self.parallel = parallelize(self.model, strategy, device)
         self.optimizer = task.optimizer(self.model.parameters())
         scheduler_fn = getattr(task, "scheduler", None)
         self.scheduler = scheduler_fn(self.optimizer) if callable(scheduler_fn) else None
         self.precision = make_precision(cfg.precision, device)
-        self.accumulator = Accumulator(self.plan, self.precision, cfg.max_grad_norm)
+        self.accumulator = Accumulator(
+            self.plan, self.precision, cfg.max_grad_norm, self.parallel.no_sync, self.parallel.all_reduce_sum
+        )
         self.tracker = LossTracker()
         self.val_metrics: dict[str, float] = {}
         self.progress = {"train_seconds": 0.0, "wall_seconds": 0.0, "final_train_loss": float("nan")}
@@ -154,6 +172,7 @@ class _Run:
             self.total_steps,
             seed=cfg.seed,
             shuffle=cfg.shuffle,
+            rank=env.rank,
             start_step=self.start_step,
         )
         self.train_loader = build_loader(train_data, "train_data", batch_sampler=sampler, **loader_options)
@@ -161,19 +180,23 @@ class _Run:
         val_data = val_fn() if callable(val_fn) else None
         self.val_loader = None
         if val_data is not None:
-            check_map_style(val_data, "val_data")
+            size = check_map_style(val_data, "val_data")
+            share = Subset(val_data, range(env.rank, size, env.world_size)) if env.distributed else val_data
             batch = self.plan.micro_batch_size
-            self.val_loader = build_loader(val_data, "val_data", batch_size=batch, **loader_options)
-        self.logger = RunLogger(run_dir, self.total_steps, cfg.progress, cfg.tensorboard, self.start_step)
+            self.val_loader = build_loader(share, "val_data", batch_size=batch, **loader_options)
+        self.logger = RunLogger(
+            run_dir, self.total_steps, cfg.progress, cfg.tensorboard, self.start_step, enabled=env.is_main
+        )
         resumed = f", resumed after step {self.start_step}" if self.start_step else ""
         self.logger.message(
             f"training {self.total_steps} steps of {self.plan.global_batch_size} samples "
             f"(micro-batch {self.plan.micro_batch_size} x {self.plan.accumulation_steps} accumulation), "
-            f"precision {self.precision.name}, on {device}, into {run_dir}{resumed}"
+            f"x {env.world_size} process(es), strategy {strategy}, precision {self.precision.name}, "
+            f"on {device}, into {run_dir}{resumed}"
         )
 
     def train(self, callbacks: Sequence[Callback], signals: StopSignals) -> None:
-        cfg, model, optimizer, task = self.cfg, self.model, self.optimizer, self.task
+        cfg, model, optimizer, task = self.cfg, self.parallel.module, self.optimizer, self.task
         batches = device_batches(self.train_loader, self.device)
         model.train()
         if self._saved_rng is not None:
@@ -193,11 +216,15 @@ class _Run:
                 window_first_step, window_started = done, time.perf_counter()
             if cfg.val_every_n_steps and done % cfg.val_every_n_steps == 0 and done < self.total_steps:
                 window_started += self._validate(done, callbacks)
-            every = cfg.checkpoint_every
-            if done == self.total_steps or (every and done % every == 0) or signals.received:
+            checkpoint_due = done == self.total_steps or bool(
+                cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+            )
+            stop = self._stop_requested(signals, done, checkpoint_due)
+            if checkpoint_due or stop:
                 path = self._save_checkpoint(done)
-                if signals.received:
-                    raise RunInterrupted(signals.received.name, int(signals.received), done, str(path))
+                if stop:
+                    received = signals.received or signal.SIGTERM
+                    raise RunInterrupted(received.name, int(received), done, str(path))
         if self.val_loader is not None:
             self._validate(self.total_steps, callbacks)
 
@@ -210,7 +237,7 @@ class _Run:
         callbacks: Sequence[Any],
     ) -> None:
         """Read the device-side metrics (the host sync of this window) and write them out."""
-        window = self.tracker.read()
+        window = self.tracker.read(self.parallel.all_reduce_sum if self.env.distributed else None)
         assert window is not None
         if window.first_nonfinite_step is not None:
             raise NonFiniteLossError(
@@ -240,7 +267,10 @@ class _Run:
         """Validate, log the metrics and return the seconds it took."""
         assert self.val_loader is not None
         started = time.perf_counter()
-        self.val_metrics = evaluate(self.model, self.task, self.val_loader, self.device, self.precision)
+        reduce = self.parallel.all_reduce_sum if self.env.distributed else None
+        self.val_metrics = evaluate(
+            self.parallel.module, self.task, self.val_loader, self.device, self.precision, reduce
+        )
         self.logger.log(done, self.val_metrics)
         self.logger.message(
             f"validation at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.val_metrics.items())
@@ -250,21 +280,37 @@ class _Run:
                 callback.on_log(done, self.val_metrics)
         return time.perf_counter() - started
 
+    def _stop_requested(self, signals: StopSignals, done: int, checkpoint_due: bool) -> bool:
+        """Whether a stop signal arrived; in a multi-process run, on any rank.
+
+        One process checks after every step. Ranks must agree, which costs a collective,
+        so they do at the steps that already synchronise: log points and checkpoints.
+        """
+        if not self.env.distributed:
+            return signals.received is not None
+        at_sync_point = checkpoint_due or done % self.cfg.log_every_n_steps == 0
+        return at_sync_point and self.parallel.any_rank(signals.received is not None)
+
     def _save_checkpoint(self, done: int) -> Path:
-        """Everything the next step depends on, taken at this step boundary."""
+        """Everything the next step depends on, taken at this step boundary; rank 0 writes it."""
+        rng = self.parallel.gather(capture_rng())  # each rank's generators (dropout differs by rank)
+        path = self.checkpoints.folder / checkpoint_name(done)
+        if not self.env.is_main:
+            return path
         state = {
             "step": done,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "precision": self.precision.state_dict(),
-            "rng": capture_rng(),
+            "rng": rng,
             "losses": self.tracker.state_dict(),
             "progress": dict(self.progress),
             "config": self.cfg.to_dict(),
             "dataset_size": self.dataset_size,
             "micro_batch_size": self.plan.micro_batch_size,
             "accumulation_steps": self.plan.accumulation_steps,
+            "world_size": self.env.world_size,
             "leantrain_version": __version__,
         }
         return self.checkpoints.save(done, state)
@@ -293,11 +339,12 @@ class _Run:
         self.tracker.load_state_dict(state["losses"], self.device)
         self.progress.update(state["progress"])
         self.start_step = min(state["step"], self.total_steps)
-        self._saved_rng = state["rng"]
+        self._saved_rng = _rng_of_rank(state, self.env, path)
 
     def finish(self, started: float) -> FitResult:
-        """Write the weights and summary.json; return the result."""
-        export_weights(self.model.state_dict(), self.run_dir / "model.safetensors")
+        """Write the weights and summary.json (rank 0); return the result."""
+        if self.env.is_main:
+            export_weights(self.model.state_dict(), self.run_dir / "model.safetensors")
         samples = self.total_steps * self.plan.global_batch_size
         result = FitResult(
             steps=self.total_steps,
@@ -309,7 +356,7 @@ class _Run:
             accumulation_steps=self.plan.accumulation_steps,
             world_size=self.plan.world_size,
             precision=self.precision.name,
-            strategy="single",
+            strategy=self.parallel.strategy,
             peak_memory_bytes=peak_memory_bytes(self.device),
             global_batch_size=self.plan.global_batch_size,
             device=str(self.device),
@@ -317,8 +364,29 @@ class _Run:
             out_dir=self.run_dir,
             model=self.model,
         )
-        atomic_write_json(self.run_dir / "summary.json", result.summary())
+        if self.env.is_main:
+            atomic_write_json(self.run_dir / "summary.json", result.summary())
         return result
+
+
+def _process_device(device: torch.device, env: ClusterEnv) -> torch.device:
+    """In a multi-process CUDA run, each process drives the GPU of its local rank."""
+    if device.type == "cuda" and env.distributed and device.index is None:
+        device = torch.device("cuda", env.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def _rng_of_rank(state: dict[str, Any], env: ClusterEnv, path: Path) -> dict[str, Any]:
+    """This rank's saved generator states; exact resume needs the same world size."""
+    saved = state["rng"]
+    if len(saved) != env.world_size:
+        raise CheckpointError(
+            f"checkpoint {path} was saved by {len(saved)} process(es) but this run has {env.world_size}; "
+            "resume with the same number of processes"
+        )
+    return saved[env.rank]
 
 
 def _build_model(task: Any, device: torch.device) -> nn.Module:

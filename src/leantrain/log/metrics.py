@@ -7,6 +7,7 @@ called every ``log_every_n_steps`` steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,16 +59,22 @@ class LossTracker:
         self._weights = [w.to(device) if isinstance(w, torch.Tensor) else w for w in state["weights"]]
         self._is_mean = list(state["is_mean"])
 
-    def read(self) -> LossWindow | None:
-        """Reduce and clear the window (a host sync); None when nothing was added."""
+    def read(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LossWindow | None:
+        """Reduce and clear the window (a host sync); None when nothing was added.
+
+        With ``all_reduce_sum``, every rank's losses are summed first, so the window is the
+        loss of the whole global batch. Every rank adds the same number of entries.
+        """
         if not self._steps:
             return None
         device = self._totals[0].device
+        is_mean = torch.tensor(self._is_mean, device=device)
         totals = torch.stack([t.to(torch.float64) for t in self._totals])
         weights = torch.stack([torch.as_tensor(w, device=device).to(torch.float64) for w in self._weights])
-        totals, weights = torch.stack([totals, weights]).cpu()  # the one host sync
-        is_mean = torch.tensor(self._is_mean)
-        sums = torch.where(is_mean, totals * weights, totals)
+        both = torch.stack([torch.where(is_mean, totals * weights, totals), weights])
+        if all_reduce_sum is not None:
+            both = all_reduce_sum(both)
+        sums, weights = both.cpu()  # the one host sync
         steps = torch.tensor(self._steps)
         last = steps == steps[-1]
         bad = ~torch.isfinite(sums)

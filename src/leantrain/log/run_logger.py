@@ -10,13 +10,23 @@ from leantrain.log.sinks import CSVSink, Sink, TensorBoardSink
 
 class RunLogger:
     def __init__(
-        self, run_dir: Path, total_steps: int, progress: str, tensorboard: bool, resumed_at_step: int = 0
+        self,
+        run_dir: Path,
+        total_steps: int,
+        progress: str,
+        tensorboard: bool,
+        resumed_at_step: int = 0,
+        enabled: bool = True,
     ) -> None:
+        """``enabled=False`` (ranks other than 0) writes and prints nothing."""
+        self.sinks: list[Sink] = []
+        self.progress = make_progress(progress if enabled else "none", total_steps)
+        if not enabled:
+            return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.sinks: list[Sink] = [CSVSink(run_dir / "metrics.csv", keep_until_step=resumed_at_step)]
+        self.sinks.append(CSVSink(run_dir / "metrics.csv", keep_until_step=resumed_at_step))
         if tensorboard:
             self.sinks.append(TensorBoardSink(run_dir, keep_until_step=resumed_at_step))
-        self.progress = make_progress(progress, total_steps)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for sink in self.sinks:

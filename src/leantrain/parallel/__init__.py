@@ -1,0 +1,1 @@
+"""Where the work runs: the cluster environment, and the parallel plan applied to the model."""

@@ -1,0 +1,137 @@
+"""The parallel plan: how the model is wrapped, and the communication the loop needs.
+
+``parallelize`` is applied once, before the loop. The loop only calls the returned
+object's methods (``no_sync``, ``all_reduce_sum``, ``any_rank``, ``gather``), never asks
+which strategy it has.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from leantrain.errors import ConfigError
+from leantrain.parallel.env import ClusterEnv
+
+DP_WARNING = (
+    "strategy dp (DataParallel) drives every GPU from one process: each step it scatters the "
+    "inputs, copies the model to every GPU and gathers the outputs, and the Python thread is "
+    "shared. DDP runs one process per GPU and communicates only gradients, overlapped with "
+    "backward: `leantrain launch --nproc-per-node N fit --strategy ddp` is faster."
+)
+
+
+class SingleProcess:
+    """One process, one device: nothing to communicate."""
+
+    strategy = "single"
+
+    def __init__(self, model: nn.Module) -> None:
+        self.module = model  # what forward and backward run on
+        self.model = model  # the unwrapped model: state dicts and weights
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag
+
+    def gather(self, value: Any) -> list[Any]:
+        """``value`` from every rank, in rank order."""
+        return [value]
+
+
+class DataParallelPlan(SingleProcess):
+    """``nn.DataParallel`` over the visible GPUs of one process (kept for comparison)."""
+
+    strategy = "dp"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        warnings.warn(DP_WARNING, stacklevel=3)
+        self.module = nn.DataParallel(model) if torch.cuda.device_count() > 1 else model
+
+
+class DistributedPlan(SingleProcess):
+    """``DistributedDataParallel``: one process per device, gradients all-reduced in backward."""
+
+    strategy = "ddp"
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        super().__init__(model)
+        device_ids = [device.index] if device.type == "cuda" else None
+        self.module = DistributedDataParallel(model, device_ids=device_ids)
+        self.device = device
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        # Gradients of non-final micro-batches only accumulate locally; the all-reduce
+        # runs once, during the final micro-batch's backward.
+        return self.module.no_sync()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def any_rank(self, flag: bool) -> bool:
+        value = torch.tensor([1 if flag else 0], device=self._comm_device())
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def gather(self, value: Any) -> list[Any]:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+Parallelized = SingleProcess  # the protocol: every plan has SingleProcess's methods
+
+
+def resolve_strategy(strategy: str, env: ClusterEnv) -> str:
+    """The concrete strategy for a config value, or a ConfigError when it cannot run here."""
+    if strategy == "auto":
+        return "ddp" if env.distributed else "single"
+    if strategy == "ddp" and not env.distributed:
+        raise ConfigError(
+            "strategy", strategy, "needs several processes: run `leantrain launch --nproc-per-node N fit ...`"
+        )
+    if strategy in ("single", "dp") and env.distributed:
+        raise ConfigError(
+            "strategy", strategy, f"runs in one process, but {env.world_size} were launched; use ddp or auto"
+        )
+    return strategy
+
+
+def parallelize(model: nn.Module, strategy: str, device: torch.device) -> SingleProcess:
+    """Wrap the model for a resolved strategy (the process group, if any, is already up)."""
+    if strategy == "ddp":
+        return DistributedPlan(model, device)
+    if strategy == "dp":
+        return DataParallelPlan(model)
+    return SingleProcess(model)
+
+
+def init_process_group(env: ClusterEnv, device: torch.device) -> bool:
+    """Join the process group of a multi-process run; True when this call created it."""
+    if not env.distributed or dist.is_initialized():
+        return False
+    # Under torchrun, env:// joins the launcher's store; a bare SLURM task starts its own.
+    init_method = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        init_method=init_method,
+        rank=env.rank,
+        world_size=env.world_size,
+    )
+    return True
