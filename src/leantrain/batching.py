@@ -13,10 +13,10 @@ sees the gradient of the loss over the whole global batch, exactly, whatever the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -56,8 +56,7 @@ class BatchPlan:
         return self.per_rank_batch_size // self.micro_batch_size
 
 
-@dataclass
-class StepOutcome:
+class StepOutcome(NamedTuple):
     stepped: bool  # False when the precision skipped the update (fp16 overflow)
     grad_norm: torch.Tensor | None  # total norm before clipping, on the device (no sync)
 
@@ -77,12 +76,14 @@ class Accumulator:
         self,
         plan: BatchPlan,
         precision: Precision,
+        params: Sequence[torch.Tensor],
         max_grad_norm: float | None = None,
         no_sync: Callable[[], AbstractContextManager[Any]] = nullcontext,
         all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
     ) -> None:
         self.plan = plan
         self.precision = precision
+        self.params = list(params)  # listed once: walking the module tree every step costs time
         self.max_grad_norm = max_grad_norm
         self.no_sync = no_sync
         self.all_reduce_sum = all_reduce_sum
@@ -105,10 +106,9 @@ class Accumulator:
                 with self.precision.autocast():
                     loss = loss_fn(model, batch)
                 self.precision.backward(self._backward_term(loss, micro, counts, step_index, tracker))
-        params = [p for p in model.parameters() if p.grad is not None]
         if counts:
-            self._divide_by_global_count(params, counts)
-        grad_norm = self.precision.unscale_and_clip(optimizer, params, self.max_grad_norm)
+            self._divide_by_global_count(counts)
+        grad_norm = self.precision.unscale_and_clip(optimizer, self.params, self.max_grad_norm)
         stepped = self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return StepOutcome(stepped, grad_norm)
@@ -136,17 +136,18 @@ class Accumulator:
         # as a hand-written loop.
         return loss if self.mean_loss_weight == 1 else loss * self.mean_loss_weight
 
-    def _divide_by_global_count(self, params: list[torch.Tensor], counts: list[torch.Tensor | int]) -> None:
+    def _divide_by_global_count(self, counts: list[torch.Tensor | int]) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
         local = sum(counts)
         if isinstance(local, int) and self.plan.world_size == 1:
             factor: torch.Tensor | float = 1.0 / max(local, 1)
         else:
-            device = params[0].device if params else None
+            device = grads[0].device if grads else None
             total = self.all_reduce_sum(torch.as_tensor(local, dtype=torch.float64, device=device))
             # Data-parallel averaging divides by world; multiplying by it restores the sum.
             factor = self.plan.world_size / total.clamp(min=1)
-        if params:
-            torch._foreach_mul_([p.grad for p in params], factor)
+        if grads:
+            torch._foreach_mul_(grads, factor)
 
 
 def _check_scalar(value: Any, what: str) -> None:

@@ -77,7 +77,7 @@ class TrainConfig:
     deterministic: bool = _field(False, "reproducibility", "use only deterministic kernels (slower)")
     # logging
     out_dir: str | None = _field(None, "logging", "run folder; null: runs/<task>-<time>")
-    log_every_n_steps: int = _field(10, "logging", "read metrics from the device every N steps")
+    log_every_n_steps: int = _field(50, "logging", "read metrics from the device every N steps")
     val_every_n_steps: int | None = _field(None, "logging", "validate every N steps; null: once, at the end")
     progress: ProgressMode = _field(
         "auto", "logging", "auto: a live bar on a terminal, plain lines otherwise"

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -54,8 +54,7 @@ from leantrain.runtime import (
 from leantrain.task import check_task
 
 
-@dataclass(frozen=True)
-class StepStats:
+class StepStats(NamedTuple):
     step: int  # optimizer steps completed
     stepped: bool
     grad_norm: torch.Tensor | None  # on the device: reading it is a host sync
@@ -146,7 +145,12 @@ class _Run:
         self.scheduler = scheduler_fn(self.optimizer) if callable(scheduler_fn) else None
         self.precision = make_precision(cfg.precision, device)
         self.accumulator = Accumulator(
-            self.plan, self.precision, cfg.max_grad_norm, self.parallel.no_sync, self.parallel.all_reduce_sum
+            self.plan,
+            self.precision,
+            self.model.parameters(),
+            cfg.max_grad_norm,
+            self.parallel.no_sync,
+            self.parallel.all_reduce_sum,
         )
         self.tracker = LossTracker()
         self.val_metrics: dict[str, float] = {}
@@ -201,6 +205,7 @@ class _Run:
         model.train()
         if self._saved_rng is not None:
             restore_rng(self._saved_rng)  # last, after everything that draws random numbers at set-up
+        step_hooks = [callback.on_step for callback in callbacks if hasattr(callback, "on_step")]
         window_started = time.perf_counter()
         window_first_step = self.start_step
         for step in range(self.start_step, self.total_steps):
@@ -208,9 +213,8 @@ class _Run:
             if outcome.stepped and self.scheduler is not None:
                 self.scheduler.step()
             done = step + 1
-            for callback in callbacks:
-                if hasattr(callback, "on_step"):
-                    callback.on_step(StepStats(done, outcome.stepped, outcome.grad_norm))
+            for hook in step_hooks:
+                hook(StepStats(done, *outcome))
             if done % cfg.log_every_n_steps == 0 or done == self.total_steps:
                 self._log_point(done, done - window_first_step, window_started, outcome, callbacks)
                 window_first_step, window_started = done, time.perf_counter()

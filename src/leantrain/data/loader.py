@@ -43,7 +43,24 @@ class NamedItemErrors(Dataset):
             seed_everything(
                 int(np.random.SeedSequence([self.seed, *position]).generate_state(1, np.uint64)[0])
             )
-        return [self[index] for index in indices]
+        batched = getattr(self.dataset, "__getitems__", None)
+        if batched is not None:
+            try:
+                return batched(list(indices))
+            except Exception as error:
+                raise DataError(
+                    f"{self.name} items {list(indices)} failed: {type(error).__name__}: {error}"
+                ) from error
+        # One loop over the wrapped dataset's own __getitem__: no extra call per item.
+        items: list[Any] = []
+        getitem, append = self.dataset.__getitem__, items.append
+        index = None
+        try:
+            for index in indices:
+                append(getitem(index))
+        except Exception as error:
+            raise DataError(f"{self.name} item {index} failed: {type(error).__name__}: {error}") from error
+        return items
 
 
 def check_map_style(dataset: Any, name: str) -> int:

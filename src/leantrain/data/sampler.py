@@ -66,21 +66,20 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.rank = rank
         self.start_step = start_step
         self._cached_epoch: int | None = None
-        self._cached_order: np.ndarray | None = None
+        self._cached_order: list[int] = []
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """The permutation of all indices for one epoch."""
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The permutation of all indices for one epoch (a list: slicing it per step is cheap)."""
         if epoch != self._cached_epoch:
             if self.shuffle:
                 rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
-                self._cached_order = rng.permutation(self.dataset_size)
+                self._cached_order = rng.permutation(self.dataset_size).tolist()
             else:
-                self._cached_order = np.arange(self.dataset_size)
+                self._cached_order = list(range(self.dataset_size))
             self._cached_epoch = epoch
-        assert self._cached_order is not None
         return self._cached_order
 
-    def global_batch(self, step: int) -> np.ndarray:
+    def global_batch(self, step: int) -> list[int]:
         """All indices of global step ``step`` (every rank's share)."""
         epoch, position = divmod(step, self._steps_per_epoch)
         size = self.plan.global_batch_size
@@ -92,7 +91,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         for step in range(self.start_step, self.total_steps):
             mine = self.global_batch(step)[self.rank * share : (self.rank + 1) * share]
             for number, start in enumerate(range(0, share, micro)):
-                yield MicroBatch(mine[start : start + micro].tolist(), (step, self.rank, number))
+                yield MicroBatch(mine[start : start + micro], (step, self.rank, number))
 
     def __len__(self) -> int:
         return max(self.total_steps - self.start_step, 0) * self.plan.accumulation_steps

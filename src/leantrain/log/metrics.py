@@ -69,8 +69,11 @@ class LossTracker:
             return None
         device = self._totals[0].device
         is_mean = torch.tensor(self._is_mean, device=device)
-        totals = torch.stack([t.to(torch.float64) for t in self._totals])
-        weights = torch.stack([torch.as_tensor(w, device=device).to(torch.float64) for w in self._weights])
+        totals = _stack_float64(self._totals)
+        if all(isinstance(w, int) for w in self._weights):
+            weights = torch.tensor(self._weights, dtype=torch.float64, device=device)
+        else:
+            weights = _stack_float64([torch.as_tensor(w, device=device) for w in self._weights])
         both = torch.stack([torch.where(is_mean, totals * weights, totals), weights])
         if all_reduce_sum is not None:
             both = all_reduce_sum(both)
@@ -85,3 +88,10 @@ class LossTracker:
         )
         self._steps, self._totals, self._weights, self._is_mean = [], [], [], []
         return window
+
+
+def _stack_float64(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One stack then one cast when the dtypes agree (the usual case): two kernels, not 2n."""
+    if len({t.dtype for t in tensors}) == 1:
+        return torch.stack(tensors).to(torch.float64)
+    return torch.stack([t.to(torch.float64) for t in tensors])
