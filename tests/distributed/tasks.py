@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from tests.conftest import RegressionTask
 
 
@@ -12,3 +14,21 @@ def mean_task() -> RegressionTask:
 def sum_task() -> RegressionTask:
     """Per-sample element counts of 1..4: every rank's LossSum count differs."""
     return RegressionTask(loss_kind="sum")
+
+
+class SlowItems(RegressionTask):
+    """Each item takes 2 ms to load: slow enough to kill a process in the middle of a run."""
+
+    def train_data(self):
+        data = super().train_data()
+
+        class Slow(type(data)):
+            def __getitem__(self, index):
+                time.sleep(0.002)
+                return super().__getitem__(index)
+
+        return Slow(*data.tensors)
+
+
+def slow_sum_task() -> SlowItems:
+    return SlowItems(loss_kind="sum")

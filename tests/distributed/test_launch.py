@@ -1,0 +1,104 @@
+"""`leantrain launch` for real: two "nodes" on one machine, and an elastic restart after a kill."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from tests.distributed.conftest import LEANTRAIN, REPO, leantrain, worker_env
+
+FIT = "fit --task tests.distributed.tasks:sum_task --global-batch-size 16 --micro-batch-size 4 --max-steps 20"
+FIT = [*FIT.split(), "--progress", "plain", "--tensorboard", "false"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[name] - b[name]).abs().max()) for name in b)
+
+
+def test_two_nodes_on_one_machine_match_one_process(tmp_path):
+    leantrain(*FIT, "--micro-batch-size", "16", "--out", str(tmp_path / "single"))
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                LEANTRAIN,
+                "launch",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--nproc-per-node",
+                "1",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                *FIT,
+                "--out",
+                str(tmp_path / "two-nodes"),
+            ],
+            cwd=REPO,
+            env=worker_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    for node in nodes:
+        _, stderr = node.communicate(timeout=240)
+        assert node.returncode == 0, stderr[-3000:]
+    summary = (tmp_path / "two-nodes" / "summary.json").read_text()
+    assert '"world_size": 2' in summary and '"strategy": "ddp"' in summary
+    single = load_file(tmp_path / "single" / "model.safetensors")
+    assert max_difference(load_file(tmp_path / "two-nodes" / "model.safetensors"), single) <= 1e-10
+
+
+def worker_pids(launcher: int) -> dict[int, int]:
+    """LOCAL_RANK -> pid of the worker processes that the torchrun launcher started."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        ranks = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"LOCAL_RANK=")]
+        if parent == launcher and ranks:
+            found[int(ranks[0])] = int(entry.name)
+    return found
+
+
+def test_a_killed_rank_is_restarted_and_the_run_resumes_exactly(tmp_path):
+    flags = "--task tests.distributed.tasks:slow_sum_task --max-steps 40 --checkpoint-every 4"
+    flags = [*flags.split(), "--log-every-n-steps", "1", "--resume", "auto"]
+    leantrain("launch", "--nproc-per-node", "2", *FIT, *flags, "--out", str(tmp_path / "uninterrupted"))
+    launcher = subprocess.Popen(
+        [LEANTRAIN, "launch", "--nproc-per-node", "2", "--max-restarts", "1", *FIT, *flags,
+         "--out", str(tmp_path / "restarted")],
+        cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert launcher.stdout is not None
+    for line in launcher.stdout:
+        if line.startswith("step 10/"):
+            break
+    victim = worker_pids(launcher.pid)[1]
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert "resumed after step" in stdout  # the restarted group continued from a checkpoint
+    expected = load_file(tmp_path / "uninterrupted" / "model.safetensors")
+    actual = load_file(tmp_path / "restarted" / "model.safetensors")
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
