@@ -125,6 +125,10 @@ def _slurm_parser() -> ArgumentParser:
     parser.add_argument("--partition", default=None, help="SLURM partition")
     parser.add_argument("--time", default=None, help="time limit, e.g. 2:00:00")
     parser.add_argument("--job-name", default="leantrain", help="job name")
+    parser.add_argument(
+        "--signal-seconds", type=int, default=120, help="checkpoint this long before the time limit"
+    )
+    parser.add_argument("--port", type=int, default=29500, help="rendezvous port on the first node")
     parser.add_argument("--dry-run", type=bool, default=False, help="print the sbatch script, do not submit")
     parser.add_argument("fit_arguments", nargs=argparse.REMAINDER, help="fit, then the fit flags")
     return parser

@@ -20,8 +20,6 @@ from pathlib import Path
 
 from leantrain.errors import LeantrainError
 
-RDZV_PORT = 29500
-
 
 @dataclass(frozen=True)
 class SlurmOptions:
@@ -32,9 +30,10 @@ class SlurmOptions:
     job_name: str = "leantrain"
     cpus_per_gpu: int = 8
     signal_seconds: int = 120  # warning before the time limit, to save a checkpoint
+    port: int = 29500  # the rendezvous port on the first node
 
     def check(self) -> None:
-        for name in ("nodes", "gpus_per_node", "cpus_per_gpu", "signal_seconds"):
+        for name in ("nodes", "gpus_per_node", "cpus_per_gpu", "signal_seconds", "port"):
             if getattr(self, name) < 1:
                 raise LeantrainError(f"invalid {name}={getattr(self, name)}: must be 1 or more")
 
@@ -86,7 +85,7 @@ on_time_limit() {{
 trap on_time_limit USR1
 srun --kill-on-bad-exit=1 {python} -m leantrain launch \\
     --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node {options.gpus_per_node} \\
-    --rdzv-endpoint "$head_node:{RDZV_PORT}" --rdzv-id "$SLURM_JOB_ID" \\
+    --rdzv-endpoint "$head_node:{options.port}" --rdzv-id "$SLURM_JOB_ID" \\
     fit {fit} &
 step_pid=$!
 step_id=0
