@@ -236,8 +236,9 @@ def run_checked(command: list[str], env: dict[str, str], what: str) -> None:
 def window_speeds(metrics_csv: Path) -> list[float]:
     """samples/s of each log window, the first (imports, allocator and thread-pool warm-up) dropped."""
     with metrics_csv.open(newline="") as file:
-        speeds = [float(row["samples_per_second"]) for row in csv.DictReader(file) if row["samples_per_second"]]
-    return speeds[1:]
+        rows = [row["samples_per_second"] for row in csv.DictReader(file)]
+    # The final validation, when a task has one, writes a row without samples_per_second.
+    return [float(speed) for speed in rows if speed][1:]
 
 
 def run_leantrain(config: Config, scratch: Path, windows: int, run_index: int) -> float:
@@ -404,7 +405,8 @@ def measure(repetitions: int, windows: int, scratch: Path) -> list[Measured]:
             speed = run_leantrain(entry.config, scratch, windows, run_index)
             entry.speeds.append(speed)
             print(
-                f"repetition {repetition + 1}/{repetitions}  {entry.config.label():<32} {speed:9.1f} samples/s",
+                f"repetition {repetition + 1}/{repetitions}  {entry.config.label():<32} "
+                f"{speed:9.1f} samples/s",
                 file=sys.stderr,
                 flush=True,
             )

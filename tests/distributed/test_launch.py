@@ -85,8 +85,10 @@ def test_a_killed_rank_is_restarted_and_the_run_resumes_exactly(tmp_path):
     flags = "--task tests.distributed.tasks:slow_sum_task --max-steps 40 --checkpoint-every 4"
     flags = [*flags.split(), "--log-every-n-steps", "1", "--resume", "auto"]
     leantrain("launch", "--nproc-per-node", "2", *FIT, *flags, "--out", str(tmp_path / "uninterrupted"))
+    # One restart is needed; a second one absorbs a gloo connection timeout of the restarted
+    # group, seen when the 2 cores are busy with other work.
     launcher = subprocess.Popen(
-        [LEANTRAIN, "launch", "--nproc-per-node", "2", "--max-restarts", "1", *FIT, *flags,
+        [LEANTRAIN, "launch", "--nproc-per-node", "2", "--max-restarts", "2", *FIT, *flags,
          "--out", str(tmp_path / "restarted")],
         cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
