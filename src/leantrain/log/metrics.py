@@ -18,7 +18,7 @@ class LossWindow:
     """The losses of the optimizer steps since the previous read."""
 
     mean_loss: float  # over every sample (or element, for LossSum) in the window
-    last_step_loss: float  # over the last optimizer step's global batch (this rank's share)
+    last_step_loss: float  # over the last optimizer step's batch (the global batch when reduced)
     first_nonfinite_step: int | None  # the first step whose loss was NaN or inf
 
 
