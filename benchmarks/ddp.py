@@ -15,8 +15,9 @@ Two measurements, both with one intra-op thread per process (``OMP_NUM_THREADS=1
    of a mode is its step time minus the compute-only step time of the same round. A bare
    ``dist.all_reduce`` of a flat fp32 tensor with the model's parameter count is timed too.
 
-Runs are repeated and interleaved in a rotating order, so that slow drift of a noisy machine
-hits every configuration alike; the tables give medians.
+Runs are repeated and interleaved in a rotating order, and the probe runs a few rounds after
+every repetition, so that slow drift of a noisy machine hits every configuration alike; the
+tables give medians.
 
     python benchmarks/ddp.py            # full run (about 5 minutes on 2 cores); writes results/ddp.md
     python benchmarks/ddp.py --quick    # smoke run; prints the tables only
@@ -57,8 +58,9 @@ DEFAULT_OUT = BENCH_DIR / "results" / "ddp.md"
 MICRO_BATCH = 16
 ACCUMULATIONS = (4, 1)
 # Every run does the same number of micro-batches per process and window, whatever the
-# accumulation, so that windows last about as long (about a second here) in every row.
-MICRO_BATCHES_PER_WINDOW = 12
+# accumulation, so that windows last about as long (half a second here) in every row. It
+# must be a multiple of every accumulation.
+MICRO_BATCHES_PER_WINDOW = 8
 SEED = 0
 PROBE_NPROC = 2
 
@@ -352,6 +354,7 @@ def probe_command(rounds: int, out: Path) -> list[str]:
 
 def run_probe(rounds: int, scratch: Path) -> dict[str, Any]:
     out = scratch / "probe.json"
+    out.unlink(missing_ok=True)
     run_checked([sys.executable, *probe_command(rounds, out)], child_env(1), "communication probe")
     return json.loads(out.read_text())
 
@@ -362,16 +365,36 @@ class ProbeSummary:
 
     step: dict[str, float]  # median step time per mode
     comm: dict[str, float]  # median over rounds of (mode - local) per mode
+    spread: dict[str, tuple[float, float]]  # first and third quartile of (mode - local)
+
+    def comm_is_noise(self, mode: str) -> bool:
+        """Whether the middle half of the paired differences includes zero.
+
+        A small all-reduce (charlm's 3 MB) costs a few milliseconds, less than the
+        round-to-round jitter of a step of a few hundred: its median can even come out negative.
+        """
+        low, high = self.spread[mode]
+        return low <= 0 <= high
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    first, _, third = statistics.quantiles(values, n=4)
+    return first, third
 
 
 def summarize_probe(steps: dict[str, list[float]]) -> ProbeSummary:
     local = steps[LOCAL]
     # Paired per round: the mode's step minus the compute-only step of the same round.
-    comm = {
-        mode: statistics.median(m - c for m, c in zip(values, local, strict=True))
-        for mode, values in steps.items()
+    differences = {
+        mode: [m - c for m, c in zip(values, local, strict=True)] for mode, values in steps.items()
     }
-    return ProbeSummary({mode: statistics.median(values) for mode, values in steps.items()}, comm)
+    return ProbeSummary(
+        step={mode: statistics.median(values) for mode, values in steps.items()},
+        comm={mode: statistics.median(values) for mode, values in differences.items()},
+        spread={mode: quartiles(values) for mode, values in differences.items()},
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -393,8 +416,24 @@ def load_now() -> str:
     return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
 
 
-def measure(repetitions: int, windows: int, scratch: Path) -> list[Measured]:
+def merge_probe(total: dict[str, Any] | None, part: dict[str, Any]) -> dict[str, Any]:
+    """Append one probe run's timings to the previous ones (the rounds stay paired by index)."""
+    if total is None:
+        return part
+    for name, result in part.items():
+        for accumulation, steps in result["steps"].items():
+            for mode, values in steps.items():
+                total[name]["steps"][accumulation][mode] += values
+        total[name]["bare_all_reduce"] += result["bare_all_reduce"]
+    return total
+
+
+def measure(
+    repetitions: int, windows: int, rounds: int, scratch: Path
+) -> tuple[list[Measured], dict[str, Any]]:
+    """The leantrain rows and the probe's timings, ``repetitions`` interleaved passes of both."""
     measured = [Measured(config) for config in configs()]
+    probe: dict[str, Any] | None = None
     run_index = 0
     for repetition in range(repetitions):
         # Rotate by a step that is not a multiple of a model's row count, so that over the
@@ -410,7 +449,12 @@ def measure(repetitions: int, windows: int, scratch: Path) -> list[Measured]:
                 file=sys.stderr,
                 flush=True,
             )
-    return measured
+        # A few probe rounds per repetition rather than all at the end: the machine's speed
+        # drifts over minutes, and the probe's step times should see the same drift as the rows.
+        print(f"repetition {repetition + 1}/{repetitions}  communication probe", file=sys.stderr, flush=True)
+        probe = merge_probe(probe, run_probe(rounds, scratch))
+    assert probe is not None
+    return measured, probe
 
 
 def speed_cell(entry: Measured) -> str:
@@ -468,7 +512,8 @@ def render(
         "1 thread with the same model and micro x acc.",
         "- Comm: from the in-process probe (below) with the same model, micro-batch and accumulation: "
         "step time with leantrain's no_sync minus step time with no communication at all, median over "
-        f"{probe_rounds} paired rounds; share = comm / the probe's step time. Example command: "
+        f"{probe_rounds * repetitions} paired rounds; share = comm / the probe's step time; "
+        "*≈ 0* where the quartiles of the paired differences include zero. Example command: "
         f"`OMP_NUM_THREADS=1 PYTHONPATH=benchmarks {example_command}`",
         "",
         "| Model | Params | Processes x threads | Micro x acc | Global batch | samples/s | Speed-up "
@@ -481,7 +526,8 @@ def render(
         if config.processes > 1:
             summary = summaries[(config.model, config.accumulation)]
             comm = summary.comm[ONCE]
-            comm_cells = f"{comm:.3f} | {comm / summary.step[ONCE]:.0%}"
+            noise = " (≈ 0: within the noise)" if summary.comm_is_noise(ONCE) else ""
+            comm_cells = f"{comm:.3f}{noise} | {comm / summary.step[ONCE]:.0%}"
         else:
             comm_cells = "- | -"
         speedup = entry.speed / baseline[(config.model, config.accumulation)]
@@ -494,14 +540,16 @@ def render(
         "",
         "## Gradient communication, in-process probe (2 processes x 1 thread, DDP over gloo)",
         "",
-        f"- Command: `OMP_NUM_THREADS=1 {probe_line}` (started by `benchmarks/ddp.py`). Each "
+        f"- Command: `OMP_NUM_THREADS=1 {probe_line}`, started by `benchmarks/ddp.py` once per "
+        f"repetition ({repetitions} run(s), timings pooled). Each "
         "process wraps the model in `DistributedDataParallel` (default 25 MB buckets) and times "
         "whole optimizer steps (forward + backward of every micro-batch, optimizer step, zero_grad) "
-        f"after a `dist.barrier()`, the slowest rank's time per step; {probe_rounds} rounds, modes "
-        "interleaved in a rotating order, one untimed step per mode first.",
+        f"after a `dist.barrier()`, the slowest rank's time per step; {probe_rounds} rounds per run, "
+        "modes interleaved in a rotating order, one untimed step per mode first.",
         f"- Modes: *{MODE_TEXT[LOCAL]}*; *{MODE_TEXT[ONCE]}*; *{MODE_TEXT[EVERY]}*. Comm = the "
-        "mode's step minus the no-communication step of the same round (median): the communication "
-        "time that backward does not hide.",
+        "mode's step minus the no-communication step of the same round: the communication time "
+        "that backward does not hide; median, and in brackets the first and third quartiles over "
+        "rounds.",
         "- samples/s = global batch (micro x acc x 2) / median step time.",
         "",
         "| Model | Micro x acc | Mode | All-reduces / step | Gradient bytes / step | Step (ms) | samples/s "
@@ -514,8 +562,13 @@ def render(
             summary = summaries[(name, accumulation)]
             for mode, step in summary.step.items():
                 reduces = {LOCAL: 0, ONCE: 1, EVERY: accumulation}[mode]
+                low, high = summary.spread[mode]
                 comm = summary.comm[mode]
-                comm_cells = "- | -" if mode == LOCAL else f"{comm * 1e3:.1f} | {comm / step:.0%}"
+                comm_cells = (
+                    "- | -"
+                    if mode == LOCAL
+                    else f"{comm * 1e3:.1f} [{low * 1e3:.1f} to {high * 1e3:.1f}] | {comm / step:.0%}"
+                )
                 samples = MICRO_BATCH * accumulation * PROBE_NPROC
                 lines.append(
                     f"| {name} | {MICRO_BATCH} x {accumulation} | {MODE_TEXT[mode]} | {reduces} "
@@ -537,7 +590,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repetitions", type=int, default=3, help="runs of every row (default 3)")
     parser.add_argument("--windows", type=int, default=6, help="log windows per run, 1 dropped (default 6)")
-    parser.add_argument("--rounds", type=int, default=8, help="probe rounds per model and mode (default 8)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="probe rounds per repetition, model and mode (default 3)"
+    )
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 1 repetition, 3 windows; writes only with --out"
     )
@@ -547,10 +602,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--probe-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.repetitions, args.windows, args.rounds = 1, 3, 3
+        args.repetitions, args.windows, args.rounds = 1, 3, 2
     # A smoke run must not overwrite the full results unless asked to.
     if args.out is None and not args.quick:
         args.out = DEFAULT_OUT
+    if any(MICRO_BATCHES_PER_WINDOW % accumulation for accumulation in ACCUMULATIONS):
+        parser.error(
+            f"MICRO_BATCHES_PER_WINDOW={MICRO_BATCHES_PER_WINDOW} must be a multiple of {ACCUMULATIONS}"
+        )
     if args.windows < 2:
         parser.error("--windows must be at least 2 (the first is dropped)")
     if args.repetitions < 1 or args.rounds < 1:
@@ -568,9 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     load_before = load_now()
     with tempfile.TemporaryDirectory(prefix="leantrain-ddp-bench-") as scratch:
-        measured = measure(args.repetitions, args.windows, Path(scratch))
-        print("communication probe ...", file=sys.stderr, flush=True)
-        probe = run_probe(args.rounds, Path(scratch))
+        measured, probe = measure(args.repetitions, args.windows, args.rounds, Path(scratch))
     minutes = (time.perf_counter() - started) / 60
     table = render(measured, probe, args.repetitions, args.windows, args.rounds, load_before, minutes)
     print(table)
