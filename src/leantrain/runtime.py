@@ -33,6 +33,11 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def derived_seed(*parts: int) -> int:
+    """A 64-bit seed drawn from several integers (a run's seed and a position in it)."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0])
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices)."""
     random.seed(seed)

@@ -46,6 +46,7 @@ from leantrain.parallel.env import ClusterEnv, detect
 from leantrain.precision import make_precision
 from leantrain.runtime import (
     StopSignals,
+    derived_seed,
     deterministic_kernels,
     peak_memory_bytes,
     resolve_device,
@@ -140,6 +141,10 @@ class _Run:
         self.plan = BatchPlan.from_config(cfg, world_size=env.world_size)
         self.model = _build_model(task, device)  # unwrapped: state dicts and weights
         self.parallel = parallelize(self.model, strategy, device)
+        if env.distributed:
+            # Every rank drew the same initial weights above (DDP also broadcasts rank 0's).
+            # From here on each rank draws its own numbers: dropout masks must differ by rank.
+            seed_everything(derived_seed(cfg.seed, env.rank))
         self.optimizer = task.optimizer(self.model.parameters())
         scheduler_fn = getattr(task, "scheduler", None)
         self.scheduler = scheduler_fn(self.optimizer) if callable(scheduler_fn) else None
@@ -297,7 +302,7 @@ class _Run:
 
     def _save_checkpoint(self, done: int) -> Path:
         """Everything the next step depends on, taken at this step boundary; rank 0 writes it."""
-        rng = self.parallel.gather(capture_rng())  # each rank's generators (dropout differs by rank)
+        rng = self.parallel.gather(capture_rng())  # each rank's generators: they differ by rank
         path = self.checkpoints.folder / checkpoint_name(done)
         if not self.env.is_main:
             return path

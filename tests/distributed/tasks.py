@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
+
+import torch
 
 from tests.conftest import RegressionTask
 
@@ -32,3 +36,12 @@ class SlowItems(RegressionTask):
 
 def slow_sum_task() -> SlowItems:
     return SlowItems(loss_kind="sum")
+
+
+class RecordsRandomNumbers(RegressionTask):
+    """Writes one torch.rand() draw per loss call to PROBE_DIR/rank<RANK>.txt: what dropout would see."""
+
+    def loss(self, model, batch):
+        with open(Path(os.environ["PROBE_DIR"]) / f"rank{os.environ.get('RANK', '0')}.txt", "a") as record:
+            record.write(f"{torch.rand(()).item()!r}\n")
+        return super().loss(model, batch)

@@ -9,12 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 from leantrain.errors import DataError, TaskError
-from leantrain.runtime import seed_everything
+from leantrain.runtime import derived_seed, seed_everything
 
 
 class NamedItemErrors(Dataset):
@@ -40,9 +39,7 @@ class NamedItemErrors(Dataset):
         # (num_workers=0) keeps one RNG stream, which checkpoints save and restore.
         position = getattr(indices, "position", None)
         if position is not None and get_worker_info() is not None:
-            seed_everything(
-                int(np.random.SeedSequence([self.seed, *position]).generate_state(1, np.uint64)[0])
-            )
+            seed_everything(derived_seed(self.seed, *position))
         batched = getattr(self.dataset, "__getitems__", None)
         if batched is not None:
             try:
