@@ -69,7 +69,9 @@ class DistributedPlan(SingleProcess):
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         super().__init__(model)
         device_ids = [device.index] if device.type == "cuda" else None
-        self.module = DistributedDataParallel(model, device_ids=device_ids)
+        # Gradients as views into the all-reduce buckets: no copy between them after each
+        # all-reduce, and one gradient-sized buffer less.
+        self.module = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
         self.device = device
 
     def no_sync(self) -> AbstractContextManager[Any]:
