@@ -131,7 +131,7 @@ class Accumulator:
             tracker.add_sum(step_index, loss.sum.detach(), loss.count)
             return loss.sum
         _check_scalar(loss, "task.loss")
-        tracker.add_mean(step_index, loss.detach(), self.plan.micro_batch_size)
+        tracker.add(step_index, loss.detach(), self.plan.micro_batch_size, True)
         # Skipping the multiply when the weight is 1 keeps the single-batch path as lean
         # as a hand-written loop.
         return loss if self.mean_loss_weight == 1 else loss * self.mean_loss_weight

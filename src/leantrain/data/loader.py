@@ -48,16 +48,22 @@ class NamedItemErrors(Dataset):
                 raise DataError(
                     f"{self.name} items {list(indices)} failed: {type(error).__name__}: {error}"
                 ) from error
-        # One loop over the wrapped dataset's own __getitem__: no extra call per item.
-        items: list[Any] = []
-        getitem, append = self.dataset.__getitem__, items.append
-        index = None
+        getitem = self.dataset.__getitem__
         try:
-            for index in indices:
-                append(getitem(index))
+            return [getitem(index) for index in indices]  # no extra Python call per item
         except Exception as error:
-            raise DataError(f"{self.name} item {index} failed: {type(error).__name__}: {error}") from error
-        return items
+            raise self._name_the_failing_item(indices, error) from error
+
+    def _name_the_failing_item(self, indices: list[int], error: Exception) -> DataError:
+        """Load the items one by one again to find which one fails (the error path only)."""
+        for index in indices:
+            try:
+                self.dataset[index]
+            except Exception as item_error:
+                return DataError(
+                    f"{self.name} item {index} failed: {type(item_error).__name__}: {item_error}"
+                )
+        return DataError(f"{self.name} items {list(indices)} failed: {type(error).__name__}: {error}")
 
 
 def check_map_style(dataset: Any, name: str) -> int:

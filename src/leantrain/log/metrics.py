@@ -29,17 +29,18 @@ class LossTracker:
         self._weights: list[torch.Tensor | int] = []  # samples of a mean, or the LossSum's count
         self._is_mean: list[bool] = []
 
-    def add_mean(self, step: int, loss: torch.Tensor, samples: int) -> None:
-        self._append(step, loss, samples, True)
-
-    def add_sum(self, step: int, loss_sum: torch.Tensor, count: torch.Tensor | int) -> None:
-        self._append(step, loss_sum, count, False)
-
-    def _append(self, step: int, total: torch.Tensor, weight: torch.Tensor | int, is_mean: bool) -> None:
+    def add(self, step: int, total: torch.Tensor, weight: torch.Tensor | int, is_mean: bool) -> None:
+        """A mean loss over ``weight`` samples, or (``is_mean=False``) a LossSum's sum and count."""
         self._steps.append(step)
         self._totals.append(total)
         self._weights.append(weight)
         self._is_mean.append(is_mean)
+
+    def add_mean(self, step: int, loss: torch.Tensor, samples: int) -> None:
+        self.add(step, loss, samples, True)
+
+    def add_sum(self, step: int, loss_sum: torch.Tensor, count: torch.Tensor | int) -> None:
+        self.add(step, loss_sum, count, False)
 
     def __len__(self) -> int:
         return len(self._steps)
