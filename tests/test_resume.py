@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import leantrain as lt
+from leantrain.checkpoint import load_checkpoint
 from tests.conftest import RegressionTask, quiet_config
 
 
@@ -133,6 +134,15 @@ def test_resume_from_a_named_file_and_train_longer(tmp_path):
     checkpoint = short.out_dir / "checkpoints" / "step-00000006.pt"
     extended = train(tmp_path / "extended", max_steps=10, resume=str(checkpoint))
     assert_same_parameters(longer.model, extended.model)
+
+
+def test_the_summary_counts_the_time_of_earlier_processes(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "run", [StopAt(9)], checkpoint_every=4)
+    saved = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000008.pt")["progress"]
+    resumed = train(tmp_path / "run", checkpoint_every=4, resume="auto")
+    assert saved["wall_seconds"] > 0 and saved["train_seconds"] > 0
+    assert resumed.wall_seconds > saved["wall_seconds"]
 
 
 def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):

@@ -119,13 +119,13 @@ class Trainer:
         try:
             with deterministic_kernels(cfg.deterministic):
                 seed_everything(cfg.seed)
-                run = _Run(cfg, task, device, run_dir, env, strategy)
+                run = _Run(cfg, task, device, run_dir, env, strategy, started)
                 try:
                     with StopSignals() as signals:
                         run.train(self.callbacks, signals)
                 finally:
                     run.logger.close()
-                return run.finish(started)
+                return run.finish()
         finally:
             if created_group:
                 dist.destroy_process_group()
@@ -135,9 +135,17 @@ class _Run:
     """The pieces of one run, built from the config before the loop starts."""
 
     def __init__(
-        self, cfg: TrainConfig, task: Any, device: torch.device, run_dir: Path, env: ClusterEnv, strategy: str
+        self,
+        cfg: TrainConfig,
+        task: Any,
+        device: torch.device,
+        run_dir: Path,
+        env: ClusterEnv,
+        strategy: str,
+        started: float,
     ) -> None:
         self.cfg, self.task, self.device, self.run_dir, self.env = cfg, task, device, run_dir, env
+        self.started = started  # perf_counter() when fit() began
         self.plan = BatchPlan.from_config(cfg, world_size=env.world_size)
         self.model = _build_model(task, device)  # unwrapped: state dicts and weights
         self.parallel = parallelize(self.model, strategy, device)
@@ -159,6 +167,7 @@ class _Run:
         )
         self.tracker = LossTracker()
         self.val_metrics: dict[str, float] = {}
+        # Carried across resumes: seconds in the training loop and in earlier processes of the run.
         self.progress = {"train_seconds": 0.0, "wall_seconds": 0.0, "final_train_loss": float("nan")}
 
         train_data = task.train_data()
@@ -314,7 +323,7 @@ class _Run:
             "precision": self.precision.state_dict(),
             "rng": rng,
             "losses": self.tracker.state_dict(),
-            "progress": dict(self.progress),
+            "progress": {**self.progress, "wall_seconds": self._wall_seconds()},
             "config": self.cfg.to_dict(),
             "dataset_size": self.dataset_size,
             "micro_batch_size": self.plan.micro_batch_size,
@@ -350,7 +359,10 @@ class _Run:
         self.start_step = min(state["step"], self.total_steps)
         self._saved_rng = _rng_of_rank(state, self.env, path)
 
-    def finish(self, started: float) -> FitResult:
+    def _wall_seconds(self) -> float:
+        return self.progress["wall_seconds"] + time.perf_counter() - self.started
+
+    def finish(self) -> FitResult:
         """Write the weights and summary.json (rank 0); return the result."""
         if self.env.is_main:
             export_weights(self.model.state_dict(), self.run_dir / "model.safetensors")
@@ -360,7 +372,7 @@ class _Run:
             samples=samples,
             final_train_loss=self.progress["final_train_loss"],
             samples_per_second=samples / max(self.progress["train_seconds"], 1e-9),
-            wall_seconds=self.progress["wall_seconds"] + time.perf_counter() - started,
+            wall_seconds=self._wall_seconds(),
             micro_batch_size=self.plan.micro_batch_size,
             accumulation_steps=self.plan.accumulation_steps,
             world_size=self.plan.world_size,
