@@ -35,6 +35,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/ddp.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
