@@ -8,6 +8,7 @@ itself makes no host synchronisation between log points: losses stay on the devi
 
 from __future__ import annotations
 
+import gc
 import signal
 import time
 from collections.abc import Sequence
@@ -116,6 +117,7 @@ class Trainer:
         device = _process_device(resolve_device(cfg.device), env)
         run_dir = _prepare_run_dir(cfg.out_dir, name, cfg.resume)
         created_group = init_process_group(env, device)
+        run = None
         try:
             with deterministic_kernels(cfg.deterministic):
                 seed_everything(cfg.seed)
@@ -128,6 +130,10 @@ class Trainer:
                 return run.finish()
         finally:
             if created_group:
+                # DDP's wrapper sits in reference cycles; destroyed after its process group,
+                # its reducer can abort the process at exit. Free it while the group exists.
+                run = None
+                gc.collect()
                 dist.destroy_process_group()
 
 

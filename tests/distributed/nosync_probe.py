@@ -7,6 +7,7 @@ as the control, with no_sync replaced by a do-nothing context.
 
 from __future__ import annotations
 
+import gc
 import json
 from contextlib import nullcontext
 
@@ -65,6 +66,9 @@ def main() -> None:
     result = {"with_no_sync": count_communication(True), "without_no_sync": count_communication(False)}
     if env.is_main:
         print(json.dumps(result))
+    # DDP objects sit in reference cycles: collect them while the process group still exists.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@ which strategy it has.
 
 from __future__ import annotations
 
+import os
 import warnings
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -128,12 +129,28 @@ def init_process_group(env: ClusterEnv, device: torch.device) -> bool:
     """Join the process group of a multi-process run; True when this call created it."""
     if not env.distributed or dist.is_initialized():
         return False
-    # Under torchrun, env:// joins the launcher's store; a bare SLURM task starts its own.
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = _restart_safe_agent_store(env)
+    if store is not None:
+        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size)
+        return True
+    # A bare SLURM task (no torchrun) starts its own store on rank 0.
     init_method = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
     dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo",
-        init_method=init_method,
-        rank=env.rank,
-        world_size=env.world_size,
+        backend=backend, init_method=init_method, rank=env.rank, world_size=env.world_size
     )
     return True
+
+
+def _restart_safe_agent_store(env: ClusterEnv) -> dist.Store | None:
+    """Under torchrun, the launcher's store, with keys kept apart for each restart of the group.
+
+    After an elastic restart, workers sometimes read the previous attempt's addresses from the
+    launcher's store and gloo fails (or hangs) connecting to processes that no longer exist.
+    A prefix per attempt (``TORCHELASTIC_RESTART_COUNT``) keeps each attempt to its own keys.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False)
+    return dist.PrefixStore(f"leantrain/attempt_{attempt}", store)
