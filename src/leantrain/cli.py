@@ -134,15 +134,20 @@ def _slurm_parser() -> ArgumentParser:
     return parser
 
 
-def _fit_arguments(values: dict[str, Any], command: str) -> list[str]:
-    """The flags after ``launch ... fit``, checked now: bad input fails before any process starts."""
+def _fit_arguments(values: dict[str, Any], command: str, world_size: int | None) -> list[str]:
+    """The flags after ``launch ... fit``, checked now: bad input fails before any process starts.
+
+    ``world_size``, when known, also checks that the batch splits over that many processes.
+    """
     arguments = list(values.pop("fit_arguments"))
     if not arguments or arguments[0] != "fit":
         raise LeantrainError(
             f"{command} needs the command to run: leantrain {command} [options] fit [fit flags]"
         )
     parsed = build_parser().parse_args(arguments).fit.as_dict()
-    config_from_args(parsed)
+    config = config_from_args(parsed)
+    if world_size is not None:
+        config.validate(world_size)
     return arguments[1:]
 
 
@@ -203,11 +208,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             list_examples(console)
         elif namespace.command == "launch":
             values = namespace.launch.as_dict()
-            fit_arguments = _fit_arguments(values, "launch")
+            nodes = values["nnodes"]  # "N", or "MIN:MAX" for elastic membership (size unknown here)
+            world = values["nproc_per_node"] * int(nodes) if str(nodes).isdigit() else None
+            fit_arguments = _fit_arguments(values, "launch", world)
             return launch(LaunchOptions(**values), fit_arguments)
         elif namespace.command == "slurm":
             values = namespace.slurm.as_dict()
-            fit_arguments = _fit_arguments(values, "slurm")
+            fit_arguments = _fit_arguments(values, "slurm", values["nodes"] * values["gpus_per_node"])
             dry_run = values.pop("dry_run")
             script = sbatch_script(SlurmOptions(**values), fit_arguments)
             if dry_run:

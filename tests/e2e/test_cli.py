@@ -182,3 +182,20 @@ def test_the_set_of_fit_flags_is_frozen():
     fit_parser = build_parser()._subcommands_action._name_parser_map["fit"]
     flags = {option for action in fit_parser._actions for option in action.option_strings} - {"-h", "--help"}
     assert flags == FROZEN_FIT_FLAGS
+
+
+def test_launch_checks_that_the_batch_splits_over_the_processes_before_starting_them(tmp_path):
+    done = run(
+        "launch", "--nproc-per-node", "3", "fit", "--global-batch-size", "64", "--out", "out", cwd=tmp_path
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "leantrain: error: invalid global_batch_size=64: must be a multiple of the world size 3"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_launch_and_slurm_need_the_fit_command(tmp_path):
+    for command in ("launch", "slurm"):
+        done = run(command, "--global-batch-size", "64", cwd=tmp_path)
+        assert done.returncode == 2 and "leantrain: error:" in done.stderr
