@@ -128,7 +128,7 @@ class Accumulator:
         if is_sum:
             _check_scalar(loss.sum, "LossSum.sum")
             counts.append(loss.count)
-            tracker.add_sum(step_index, loss.sum.detach(), loss.count)
+            tracker.add(step_index, loss.sum.detach(), loss.count, False)
             return loss.sum
         _check_scalar(loss, "task.loss")
         tracker.add(step_index, loss.detach(), self.plan.micro_batch_size, True)

@@ -9,9 +9,9 @@ from leantrain.log.metrics import LossTracker
 
 def test_mean_losses_are_weighted_by_samples():
     tracker = LossTracker()
-    tracker.add_mean(0, torch.tensor(1.0), 2)
-    tracker.add_mean(0, torch.tensor(4.0), 2)
-    tracker.add_mean(1, torch.tensor(10.0), 4)
+    tracker.add(0, torch.tensor(1.0), 2, True)
+    tracker.add(0, torch.tensor(4.0), 2, True)
+    tracker.add(1, torch.tensor(10.0), 4, True)
     window = tracker.read()
     assert window.mean_loss == (1 * 2 + 4 * 2 + 10 * 4) / 8
     assert window.last_step_loss == 10.0
@@ -21,17 +21,17 @@ def test_mean_losses_are_weighted_by_samples():
 
 def test_loss_sums_divide_by_their_total_count():
     tracker = LossTracker()
-    tracker.add_sum(3, torch.tensor(6.0), torch.tensor(3))
-    tracker.add_sum(3, torch.tensor(2.0), 1)
+    tracker.add(3, torch.tensor(6.0), torch.tensor(3), False)
+    tracker.add(3, torch.tensor(2.0), 1, False)
     window = tracker.read()
     assert window.mean_loss == 2.0 and window.last_step_loss == 2.0
 
 
 def test_the_first_non_finite_step_is_named():
     tracker = LossTracker()
-    tracker.add_mean(4, torch.tensor(1.0), 1)
-    tracker.add_mean(5, torch.tensor(float("nan")), 1)
-    tracker.add_mean(6, torch.tensor(float("inf")), 1)
+    tracker.add(4, torch.tensor(1.0), 1, True)
+    tracker.add(5, torch.tensor(float("nan")), 1, True)
+    tracker.add(6, torch.tensor(float("inf")), 1, True)
     window = tracker.read()
     assert window.first_nonfinite_step == 5
     assert math.isnan(window.mean_loss)
@@ -41,5 +41,5 @@ def test_adding_keeps_no_graph():
     weight = torch.ones(1, requires_grad=True)
     tracker = LossTracker()
     loss = (weight * 2).sum()
-    tracker.add_mean(0, loss.detach(), 1)
+    tracker.add(0, loss.detach(), 1, True)
     assert all(not t.requires_grad for t in tracker._totals)

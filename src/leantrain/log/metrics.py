@@ -36,12 +36,6 @@ class LossTracker:
         self._weights.append(weight)
         self._is_mean.append(is_mean)
 
-    def add_mean(self, step: int, loss: torch.Tensor, samples: int) -> None:
-        self.add(step, loss, samples, True)
-
-    def add_sum(self, step: int, loss_sum: torch.Tensor, count: torch.Tensor | int) -> None:
-        self.add(step, loss_sum, count, False)
-
     def __len__(self) -> int:
         return len(self._steps)
 

@@ -98,9 +98,6 @@ class DistributedPlan(SingleProcess):
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-Parallelized = SingleProcess  # the protocol: every plan has SingleProcess's methods
-
-
 def resolve_strategy(strategy: str, env: ClusterEnv) -> str:
     """The concrete strategy for a config value, or a ConfigError when it cannot run here."""
     if strategy == "auto":
