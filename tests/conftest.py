@@ -48,6 +48,21 @@ class RegressionTask:
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
+class PoisonedSteps(RegressionTask):
+    """A RegressionTask whose loss is multiplied by ``factor`` on the given loss calls (1-based)."""
+
+    def __init__(self, calls: set[int], factor: float = float("nan"), **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.poisoned = calls
+        self.factor = factor
+        self.calls = 0
+
+    def loss(self, model, batch):
+        self.calls += 1
+        loss = super().loss(model, batch)
+        return loss * self.factor if self.calls in self.poisoned else loss
+
+
 class TinyClassifier:
     """A small classifier with validation data and an accuracy metric."""
 

@@ -1,18 +1,33 @@
 from __future__ import annotations
 
-import torch
-from torch import nn
+import copy
 
-from leantrain.precision import Autocast, Fp32, make_precision
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import leantrain as lt
+from leantrain.batching import StepStatus
+from leantrain.examples.charlm import CharLMTask
+from leantrain.examples.digits import DigitsTask
+from leantrain.loss_scaler import INITIAL_SCALE, DynamicLossScaler
+from leantrain.precision import Autocast, Fp32, MasterWeights, make_precision
+from tests.conftest import TinyClassifier
 
 CPU = torch.device("cpu")
+MODES = ["32", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 
 
 def test_make_precision_picks_the_mode():
     assert isinstance(make_precision("32", CPU), Fp32)
-    bf16 = make_precision("bf16-mixed", CPU)
-    assert isinstance(bf16, Autocast) and bf16.scaler is None
-    assert make_precision("16-mixed", CPU).scaler is not None
+    assert isinstance(make_precision("bf16-mixed", CPU), Autocast)
+    assert isinstance(make_precision("bf16-true", CPU), MasterWeights)
+    for name in MODES[1:]:
+        has_scaler = make_precision(name, CPU).loss_scale() is not None
+        assert has_scaler == name.startswith("16-"), name
 
 
 def test_autocast_runs_matmuls_in_16_bit():
@@ -23,27 +38,245 @@ def test_autocast_runs_matmuls_in_16_bit():
         assert layer(torch.ones(2, 4)).dtype == torch.float32
 
 
-def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
-    layer = nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
-    precision = make_precision("16-mixed", CPU)
-    before = [p.detach().clone() for p in layer.parameters()]
-    precision.backward(layer(torch.ones(1, 2)).sum() * float("inf"))
-    params = list(layer.parameters())
-    precision.unscale_and_clip(optimizer, params, max_norm=1.0)
-    assert precision.step(optimizer) is False
-    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters(), strict=True))
-    assert precision.state_dict()["scaler"]["scale"] < 2.0**16
-    optimizer.zero_grad()
-    precision.backward(layer(torch.ones(1, 2)).sum())
-    assert precision.step(optimizer) is True
-    assert not all(torch.equal(a, b) for a, b in zip(before, layer.parameters(), strict=True))
+@pytest.mark.parametrize(("name", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_true_16_bit_keeps_the_model_in_16_bit_and_the_optimizer_on_fp32_masters(name, dtype):
+    model = nn.Linear(3, 2)
+    initial = [p.detach().clone() for p in model.parameters()]
+    precision = make_precision(name, CPU)
+    masters = precision.prepare(model)
+    assert all(p.dtype == dtype for p in model.parameters())
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert all(torch.equal(m, p) for m, p in zip(masters, initial, strict=True))  # exact initial values
+    assert precision.input_dtype == dtype
 
 
-def test_scaler_state_round_trips():
-    source = make_precision("16-mixed", CPU)
-    source.scaler.scale(torch.ones(()))  # the scale is created lazily, at first use
-    source.scaler.update(1024.0)
-    target = make_precision("16-mixed", CPU)
+@pytest.mark.parametrize(("name", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_master_weights_keep_updates_smaller_than_16_bit_resolution(name, dtype):
+    """lr * grad = 1e-4 per step: below half the 16-bit spacing at 1.0, so a 16-bit weight never moves."""
+
+    def train(model: nn.Module, optimizer_params, precision) -> None:
+        optimizer = torch.optim.SGD(optimizer_params, lr=1e-4)
+        for _ in range(20):
+            precision.backward(model.weight.sum())  # gradient 1 for every weight
+            precision.unscale_and_clip(list(model.parameters()), None)
+            precision.step(optimizer)
+            precision.zero_grad(optimizer)
+
+    naive = nn.Linear(4, 1, bias=False).to(dtype)
+    nn.init.ones_(naive.weight)
+    train(naive, naive.parameters(), Fp32())
+    assert torch.equal(naive.weight, torch.ones_like(naive.weight))  # every update rounded away
+
+    model = nn.Linear(4, 1, bias=False)
+    nn.init.ones_(model.weight)
+    precision = make_precision(name, CPU)
+    masters = precision.prepare(model)
+    train(model, masters, precision)
+    assert torch.allclose(masters[0], torch.full_like(masters[0], 1 - 20 * 1e-4), atol=1e-6, rtol=0)
+    assert torch.equal(model.weight, masters[0].to(dtype))  # the model holds the rounded masters
+    assert not torch.equal(model.weight, torch.ones_like(model.weight))
+
+
+class Elementwise:
+    """y = w * x + b: elementwise ops, which autocast leaves in fp32, so 16-mixed is exact."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(3)
+        self.x = torch.randn(64, 6, generator=gen)
+        self.y = 3 * self.x + 1
+
+    def model(self) -> nn.Module:
+        module = nn.Module()
+        module.w = nn.Parameter(torch.zeros(6))
+        module.b = nn.Parameter(torch.zeros(6))
+        return module
+
+    def train_data(self):
+        return TensorDataset(self.x, self.y)
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.mse_loss(model.w * x + model.b, y)
+
+    def optimizer(self, params):
+        return torch.optim.SGD(params, lr=0.1)
+
+
+def test_clipping_with_accumulation_unscales_exactly_once_per_step(fit, monkeypatch):
+    """The true gradient norm is ~10, the scaled one ~3e5: a max norm of 1000 clips only a wrong one."""
+    calls = []
+    unscale = DynamicLossScaler.unscale_
+    monkeypatch.setattr(
+        DynamicLossScaler, "unscale_", lambda self, grads: calls.append(1) or unscale(self, grads)
+    )
+    settings = dict(
+        global_batch_size=32, micro_batch_size=8, max_steps=5, log_every_n_steps=1, max_grad_norm=1000.0
+    )
+    reference = fit(Elementwise(), **settings)
+    scaled = fit(Elementwise(), precision="16-mixed", **settings)
+    assert len(calls) == 5  # 4 micro-batches per step, 5 steps
+    for name, value in reference.model.state_dict().items():
+        assert torch.equal(scaled.model.state_dict()[name], value), name
+    assert not torch.equal(reference.model.w, torch.zeros(6))  # it trained
+
+
+class Spikes(TinyClassifier):
+    """The loss is multiplied by 1e4 on step 3: finite, but its scaled fp16 gradients overflow."""
+
+    calls = 0
+
+    def loss(self, model, batch):
+        self.calls += 1
+        loss = super().loss(model, batch)
+        return loss * 1e4 if self.calls == 3 else loss
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.statuses: list[StepStatus] = []
+        self.logs: list[dict] = []
+
+    def on_step(self, stats: lt.StepStats) -> None:
+        self.statuses.append(stats.status)
+
+    def on_log(self, step: int, metrics: dict) -> None:
+        if "train_loss" in metrics:
+            self.logs.append(metrics)
+
+
+@pytest.mark.parametrize("name", ["16-mixed", "16-true"])
+def test_an_overflow_is_skipped_the_scale_halves_and_training_recovers(fit, name):
+    recorder = Recorder()
+    result = fit(
+        Spikes(),
+        callbacks=[recorder],
+        precision=name,
+        global_batch_size=32,
+        max_steps=24,
+        log_every_n_steps=1,
+    )
+    assert recorder.statuses[2] is StepStatus.OVERFLOW
+    assert recorder.statuses.count(StepStatus.OVERFLOW) == 1
+    scales = [m["loss_scale"] for m in recorder.logs]
+    assert scales[:4] == [INITIAL_SCALE, INITIAL_SCALE, INITIAL_SCALE / 2, INITIAL_SCALE / 2]
+    assert [m["skipped_steps"] for m in recorder.logs][:4] == [0, 0, 1, 1]
+    assert result.skipped_steps == 1 and result.nonfinite_steps == 0
+    assert recorder.logs[-1]["train_loss"] < 0.8 * recorder.logs[0]["train_loss"]
+
+
+def test_the_scale_grows_after_a_run_of_good_steps():
+    scaler = DynamicLossScaler(CPU, initial_scale=8.0, growth_interval=3)
+    for _ in range(3):
+        scaler.update(overflowed=False)
+    assert float(scaler.scale) == 16.0
+    scaler.update(overflowed=True)
+    assert float(scaler.scale) == 8.0
+
+
+def test_a_nan_loss_does_not_lower_the_scale(fit):
+    class NanOnce(TinyClassifier):
+        calls = 0
+
+        def loss(self, model, batch):
+            self.calls += 1
+            return super().loss(model, batch) * (float("nan") if self.calls == 2 else 1.0)
+
+    recorder = Recorder()
+    fit(
+        NanOnce(),
+        callbacks=[recorder],
+        precision="16-mixed",
+        on_nan="skip",
+        global_batch_size=32,
+        max_steps=3,
+        log_every_n_steps=1,
+    )
+    assert recorder.statuses == [StepStatus.STEPPED, StepStatus.NONFINITE_LOSS, StepStatus.STEPPED]
+    assert [m["loss_scale"] for m in recorder.logs] == [INITIAL_SCALE] * 3
+
+
+@pytest.mark.parametrize("name", ["16-mixed", "16-true", "bf16-true"])
+def test_precision_state_round_trips(name):
+    source, target = make_precision(name, CPU), make_precision(name, CPU)
+    model = nn.Linear(2, 2)
+    source.prepare(model)
+    target_model = copy.deepcopy(model)
+    target.prepare(target_model)
+    if source.loss_scale() is not None:
+        source.skip_step(overflowed=True)
+    if isinstance(source, MasterWeights):
+        with torch.no_grad():
+            source.masters[0].add_(1e-3)
     target.load_state_dict(source.state_dict())
-    assert target.scaler.get_scale() == 1024.0
+    assert target.state_dict().keys() == source.state_dict().keys()
+    if source.loss_scale() is not None:
+        assert float(target.loss_scale()) == INITIAL_SCALE / 2
+    if isinstance(source, MasterWeights):
+        assert torch.equal(target.masters[0], source.masters[0])
+        assert torch.equal(target_model.weight, source.masters[0].to(target_model.weight.dtype))
+
+
+@pytest.mark.parametrize("name", ["16-true", "bf16-true"])
+def test_true_16_bit_exports_the_fp32_masters_and_resumes_exactly(fit, tmp_path, name):
+    settings = dict(precision=name, global_batch_size=32, max_steps=6, log_every_n_steps=3)
+    whole = fit(TinyClassifier(), checkpoint_every=3, **settings)
+    assert all(p.dtype != torch.float32 for p in whole.model.parameters())
+    exported = load_file(whole.out_dir / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in exported.values())
+    for key, value in whole.model.state_dict().items():
+        assert torch.equal(exported[key].to(value.dtype), value), key
+    resumed = fit(
+        TinyClassifier(), resume=str(whole.out_dir / "checkpoints" / "step-00000003.pt"), **settings
+    )
+    again = load_file(resumed.out_dir / "model.safetensors")
+    assert all(torch.equal(again[key], value) for key, value in exported.items())
+
+
+class ReductionFlags:
+    def __init__(self) -> None:
+        self.seen: set[tuple[bool, bool]] = set()
+
+    def on_step(self, stats: lt.StepStats) -> None:
+        matmul = torch.backends.cuda.matmul
+        self.seen.add(
+            (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction)
+        )
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_reduced_precision_reduction_is_off_during_fit_unless_asked(fit, allowed):
+    matmul = torch.backends.cuda.matmul
+    before = (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction)
+    flags = ReductionFlags()
+    fit(
+        TinyClassifier(),
+        callbacks=[flags],
+        global_batch_size=32,
+        max_steps=2,
+        reduced_precision_reduction=allowed,
+    )
+    assert flags.seen == {(allowed, allowed)}
+    assert (
+        matmul.allow_fp16_reduced_precision_reduction,
+        matmul.allow_bf16_reduced_precision_reduction,
+    ) == before
+
+
+EXAMPLES = {
+    "digits": (DigitsTask, dict(global_batch_size=32, max_steps=20)),
+    "charlm": (
+        lambda: CharLMTask(block=32, layers=2, width=64, heads=4, max_chars=60_000),
+        dict(global_batch_size=16, max_steps=20),
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("example", list(EXAMPLES))
+def test_every_mode_trains_the_examples(fit, example, mode):
+    make, settings = EXAMPLES[example]
+    recorder = Recorder()
+    result = fit(make(), callbacks=[recorder], precision=mode, log_every_n_steps=4, **settings)
+    losses = [m["train_loss"] for m in recorder.logs]
+    assert losses[-1] < 0.85 * losses[0], losses
+    assert result.precision == mode and result.nonfinite_steps == 0

@@ -13,6 +13,7 @@ sees the gradient of the loss over the whole global batch, exactly, whatever the
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from torch import nn
 from leantrain.config import TrainConfig
 from leantrain.errors import TaskError
 from leantrain.log.metrics import LossTracker
-from leantrain.precision import Precision
+from leantrain.precision import GradReport, Precision
 from leantrain.task import LossSum
 
 
@@ -56,9 +57,21 @@ class BatchPlan:
         return self.per_rank_batch_size // self.micro_batch_size
 
 
+class StepStatus(enum.Enum):
+    STEPPED = "stepped"
+    OVERFLOW = "overflow"  # fp16 gradients overflowed the loss scale: skipped, scale lowered
+    NONFINITE_LOSS = "non-finite loss"  # the loss was NaN/inf on some micro-batch of some rank
+    NONFINITE_GRADIENT = "non-finite gradient"  # finite loss, NaN/inf gradient norm (clipping on)
+
+
 class StepOutcome(NamedTuple):
-    stepped: bool  # False when the precision skipped the update (fp16 overflow)
+    status: StepStatus
     grad_norm: torch.Tensor | None  # total norm before clipping, on the device (no sync)
+    grad_zero_share: torch.Tensor | None = None  # share of gradient values exactly 0 (when inspected)
+
+    @property
+    def stepped(self) -> bool:
+        return self.status is StepStatus.STEPPED
 
 
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | LossSum"]
@@ -97,21 +110,62 @@ class Accumulator:
         batches: Iterator[Any],
         step_index: int,
         tracker: LossTracker,
+        inspect_grads: bool = False,
     ) -> StepOutcome:
+        """One optimizer step over the next micro-batches; updates only when everything is finite.
+
+        ``inspect_grads`` (at log points) also measures the share of zero gradient values
+        when the loss is scaled (fp16), a sign of underflow.
+        """
         last = self.plan.accumulation_steps - 1
         counts: list[torch.Tensor | int] = []
+        losses: list[torch.Tensor] = []
         for micro in range(last + 1):
             batch = next(batches)
             with nullcontext() if micro == last else self.no_sync():
                 with self.precision.autocast():
                     loss = loss_fn(model, batch)
-                self.precision.backward(self._backward_term(loss, micro, counts, step_index, tracker))
+                term = self._backward_term(loss, micro, counts, step_index, tracker)
+                losses.append(term.detach())
+                self.precision.backward(term)
         if counts:
             self._divide_by_global_count(counts)
-        grad_norm = self.precision.unscale_and_clip(optimizer, self.params, self.max_grad_norm)
-        stepped = self.precision.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        return StepOutcome(stepped, grad_norm)
+        zero_share = None
+        if inspect_grads and self.precision.loss_scale() is not None:
+            zero_share = _zero_share(self.params)
+        report = self.precision.unscale_and_clip(self.params, self.max_grad_norm)
+        status = self._check_finite(losses, report)
+        if status is StepStatus.STEPPED:
+            self.precision.step(optimizer)
+        else:
+            self.precision.skip_step(overflowed=status is StepStatus.OVERFLOW)
+        self.precision.zero_grad(optimizer)
+        return StepOutcome(status, report.norm, zero_share)
+
+    def _check_finite(self, losses: list[torch.Tensor], report: GradReport) -> StepStatus:
+        """Whether this step may update the weights: the one host read of a step.
+
+        The decision must come before the update (a NaN update cannot be undone without
+        a copy of the weights and the optimizer state), so it needs the flags on the host.
+        It is the same on every rank: the loss flag is summed over the ranks, and the
+        gradient flags come from gradients that are already reduced.
+        """
+        loss_bad = ~(losses[0] if len(losses) == 1 else torch.stack(losses)).isfinite().all()
+        grad_bad = report.overflow
+        if grad_bad is None and report.norm is not None:
+            grad_bad = ~report.norm.isfinite()
+        flags = [loss_bad.reshape(1).float()]
+        if grad_bad is not None:
+            flags.append(grad_bad.reshape(1).float())
+        both = torch.cat(flags) if len(flags) > 1 else flags[0]
+        if self.plan.world_size > 1:
+            both = self.all_reduce_sum(both)
+        loss_flag, *grad_flag = both.tolist()  # the host read
+        if loss_flag:
+            return StepStatus.NONFINITE_LOSS
+        if grad_flag and grad_flag[0]:
+            return StepStatus.OVERFLOW if report.overflow is not None else StepStatus.NONFINITE_GRADIENT
+        return StepStatus.STEPPED
 
     def _backward_term(
         self,
@@ -148,6 +202,15 @@ class Accumulator:
             factor = self.plan.world_size / total.clamp(min=1)
         if grads:
             torch._foreach_mul_(grads, factor)
+
+
+def _zero_share(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The share of gradient values that are exactly zero (a device tensor)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return None
+    zeros = torch.stack([(g == 0).sum() for g in grads]).sum()
+    return zeros / sum(g.numel() for g in grads)
 
 
 def _check_scalar(value: Any, what: str) -> None:

@@ -18,7 +18,8 @@ from typing import Any, Literal, Union
 
 from leantrain.errors import ConfigError
 
-Precision = Literal["32", "bf16-mixed", "16-mixed"]
+Precision = Literal["32", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
+NanPolicy = Literal["stop", "skip"]
 Strategy = Literal["auto", "single", "ddp", "dp"]
 ProgressMode = Literal["auto", "rich", "plain", "none"]
 
@@ -60,7 +61,20 @@ class TrainConfig:
         None, "optimization", "clip gradients to this total L2 norm; null: no clipping"
     )
     # precision
-    precision: Precision = _field("32", "precision", "number format of the forward and backward passes")
+    precision: Precision = _field(
+        "32",
+        "precision",
+        "number format: -mixed runs matmuls in 16-bit under autocast; -true keeps the model in 16-bit "
+        "with fp32 master weights; 16 (fp16) adds dynamic loss scaling",
+    )
+    on_nan: NanPolicy = _field(
+        "stop",
+        "precision",
+        "a non-finite loss or gradient: stop (save the last good state, exit non-zero) or skip the step",
+    )
+    reduced_precision_reduction: bool = _field(
+        False, "precision", "on CUDA, let 16-bit matmuls accumulate in 16-bit (faster, less exact)"
+    )
     # data
     num_workers: int = _field(0, "data", "DataLoader worker processes (0: load in the main process)")
     pin_memory: bool | None = _field(None, "data", "page-locked host batches; null: on with CUDA only")

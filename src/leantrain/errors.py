@@ -45,7 +45,16 @@ class DataError(LeantrainError):
 
 
 class NonFiniteLossError(LeantrainError):
-    """The training loss became NaN or infinite; the message names the step."""
+    """A step's loss or gradient was NaN or infinite (``on_nan="stop"``).
+
+    ``step`` is the failed optimizer step (1-based); ``checkpoint`` holds the state after
+    the step before it, the last good state, or is None when nothing could be saved.
+    """
+
+    def __init__(self, message: str, step: int = 0, checkpoint: str | None = None) -> None:
+        self.step = step
+        self.checkpoint = checkpoint
+        super().__init__(message)
 
 
 class CheckpointError(LeantrainError):

@@ -52,7 +52,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        for batch in device_batches(batches, device):
+        for batch in device_batches(batches, device, precision.input_dtype):
             samples = batch_size_of(batch)
             with precision.autocast():
                 loss = task.loss(model, batch)

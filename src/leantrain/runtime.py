@@ -63,6 +63,25 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
         torch.backends.cudnn.benchmark = previous[1]
 
 
+@contextmanager
+def matmul_reduction(allow_reduced: bool) -> Iterator[None]:
+    """Whether CUDA's fp16/bf16 matmuls may accumulate in 16-bit (split-K) inside the block.
+
+    Off by default in leantrain: the fp32 accumulator is one of the three remedies of 16-bit
+    training (with master weights and loss scaling). Only CUDA reads the flags.
+    """
+    matmul = torch.backends.cuda.matmul
+    previous = (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction)
+    matmul.allow_fp16_reduced_precision_reduction = allow_reduced
+    matmul.allow_bf16_reduced_precision_reduction = allow_reduced
+    try:
+        yield
+    finally:
+        matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = (
+            previous
+        )
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of the run: allocated bytes on CUDA, the process's peak resident set on CPU."""
     if device.type == "cuda":

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import Subset
 
 from leantrain._version import __version__
-from leantrain.batching import Accumulator, BatchPlan, StepOutcome
+from leantrain.batching import Accumulator, BatchPlan, StepOutcome, StepStatus
 from leantrain.checkpoint import (
     CheckpointFolder,
     capture_rng,
@@ -49,17 +49,27 @@ from leantrain.runtime import (
     StopSignals,
     derived_seed,
     deterministic_kernels,
+    matmul_reduction,
     peak_memory_bytes,
     resolve_device,
     seed_everything,
 )
 from leantrain.task import check_task
 
+# Warn when this share of a log window's steps made no update, or of fp16 gradient values is 0.
+SKIPPED_SHARE_WARNING = 0.25
+UNDERFLOW_SHARE_WARNING = 0.5
+
 
 class StepStats(NamedTuple):
-    step: int  # optimizer steps completed
-    stepped: bool
+    step: int  # optimizer steps completed (a skipped step counts: its batch was used)
+    status: StepStatus  # STEPPED, or why the update was skipped
     grad_norm: torch.Tensor | None  # on the device: reading it is a host sync
+    grad_zero_share: torch.Tensor | None = None  # fp16 only, at log points
+
+    @property
+    def stepped(self) -> bool:
+        return self.status is StepStatus.STEPPED
 
 
 class Callback(Protocol):
@@ -87,6 +97,8 @@ class FitResult:
     peak_memory_bytes: int
     global_batch_size: int
     device: str
+    skipped_steps: int = 0  # steps without an update: fp16 overflows and, with on_nan=skip, non-finite ones
+    nonfinite_steps: int = 0  # of those, the steps whose loss or gradient was NaN/inf
     val_metrics: dict[str, float] = field(default_factory=dict)
     out_dir: Path | None = None
     model: nn.Module | None = field(default=None, repr=False)
@@ -119,7 +131,7 @@ class Trainer:
         created_group = init_process_group(env, device)
         run = None
         try:
-            with deterministic_kernels(cfg.deterministic):
+            with deterministic_kernels(cfg.deterministic), matmul_reduction(cfg.reduced_precision_reduction):
                 seed_everything(cfg.seed)
                 run = _Run(cfg, task, device, run_dir, env, strategy, started)
                 try:
@@ -154,15 +166,17 @@ class _Run:
         self.started = started  # perf_counter() when fit() began
         self.plan = BatchPlan.from_config(cfg, world_size=env.world_size)
         self.model = _build_model(task, device)  # unwrapped: state dicts and weights
+        self.precision = make_precision(cfg.precision, device)
+        # Before any wrapper: true 16-bit converts the model; the optimizer gets the fp32 masters.
+        optimizer_params = self.precision.prepare(self.model)
         self.parallel = parallelize(self.model, strategy, device)
         if env.distributed:
             # Every rank drew the same initial weights above (DDP also broadcasts rank 0's).
             # From here on each rank draws its own numbers: dropout masks must differ by rank.
             seed_everything(derived_seed(cfg.seed, env.rank))
-        self.optimizer = task.optimizer(self.model.parameters())
+        self.optimizer = task.optimizer(iter(optimizer_params))
         scheduler_fn = getattr(task, "scheduler", None)
         self.scheduler = scheduler_fn(self.optimizer) if callable(scheduler_fn) else None
-        self.precision = make_precision(cfg.precision, device)
         self.accumulator = Accumulator(
             self.plan,
             self.precision,
@@ -174,7 +188,15 @@ class _Run:
         self.tracker = LossTracker()
         self.val_metrics: dict[str, float] = {}
         # Carried across resumes: seconds in the training loop and in earlier processes of the run.
-        self.progress = {"train_seconds": 0.0, "wall_seconds": 0.0, "final_train_loss": float("nan")}
+        self.progress = {
+            "train_seconds": 0.0,
+            "wall_seconds": 0.0,
+            "final_train_loss": float("nan"),
+            "skipped_steps": 0,
+            "nonfinite_steps": 0,
+        }
+        self.skipped_at_last_log = 0
+        self.warned: set[str] = set()  # each precision warning is given once per run
 
         train_data = task.train_data()
         self.dataset_size = check_map_style(train_data, "train_data")
@@ -221,7 +243,7 @@ class _Run:
 
     def train(self, callbacks: Sequence[Callback], signals: StopSignals) -> None:
         cfg, model, optimizer, task = self.cfg, self.parallel.module, self.optimizer, self.task
-        batches = device_batches(self.train_loader, self.device)
+        batches = device_batches(self.train_loader, self.device, self.precision.input_dtype)
         model.train()
         if self._saved_rng is not None:
             restore_rng(self._saved_rng)  # last, after everything that draws random numbers at set-up
@@ -229,13 +251,16 @@ class _Run:
         window_started = time.perf_counter()
         window_first_step = self.start_step
         for step in range(self.start_step, self.total_steps):
-            outcome = self.accumulator.step(model, optimizer, task.loss, batches, step, self.tracker)
-            if outcome.stepped and self.scheduler is not None:
-                self.scheduler.step()
             done = step + 1
+            log_due = done % cfg.log_every_n_steps == 0 or done == self.total_steps
+            outcome = self.accumulator.step(model, optimizer, task.loss, batches, step, self.tracker, log_due)
+            if not outcome.stepped:
+                self._skipped(step, outcome.status)
+            elif self.scheduler is not None:
+                self.scheduler.step()
             for hook in step_hooks:
                 hook(StepStats(done, *outcome))
-            if done % cfg.log_every_n_steps == 0 or done == self.total_steps:
+            if log_due:
                 self._log_point(done, done - window_first_step, window_started, outcome, callbacks)
                 window_first_step, window_started = done, time.perf_counter()
             if cfg.val_every_n_steps and done % cfg.val_every_n_steps == 0 and done < self.total_steps:
@@ -252,6 +277,26 @@ class _Run:
         if self.val_loader is not None:
             self._validate(self.total_steps, callbacks)
 
+    def _skipped(self, step: int, status: StepStatus) -> None:
+        """Count a step that made no update; apply the NaN policy to a non-finite one."""
+        self.progress["skipped_steps"] += 1
+        if status is StepStatus.OVERFLOW:
+            return  # routine for fp16: the scale was lowered
+        self.progress["nonfinite_steps"] += 1
+        self.tracker.discard_step(step)  # non-finite values never reach the log
+        what = "loss" if status is StepStatus.NONFINITE_LOSS else "gradient norm"
+        if self.cfg.on_nan == "skip":
+            self.logger.message(f"warning: step {step + 1} skipped: the {what} is not finite")
+            return
+        path = self._save_checkpoint(step)  # nothing was updated: the state after the step before
+        raise NonFiniteLossError(
+            f"the training {what} is not finite at step {step + 1}; the last good state (after step "
+            f"{step}) is saved in {path}; lower the learning rate or check the data, then continue "
+            "with --resume auto (or pass --on-nan skip to drop such steps)",
+            step=step + 1,
+            checkpoint=str(path),
+        )
+
     def _log_point(
         self,
         done: int,
@@ -262,30 +307,66 @@ class _Run:
     ) -> None:
         """Read the device-side metrics (the host sync of this window) and write them out."""
         window = self.tracker.read(self.parallel.all_reduce_sum if self.env.distributed else None)
-        assert window is not None
-        if window.first_nonfinite_step is not None:
-            raise NonFiniteLossError(
-                f"the training loss is not finite at step {window.first_nonfinite_step + 1} "
-                f"(loss over steps {done - window_steps + 1}..{done}: {window.mean_loss})"
-            )
         seconds = max(time.perf_counter() - window_started, 1e-9)
         self.progress["train_seconds"] += seconds
-        self.progress["final_train_loss"] = window.last_step_loss
+        # No window: every step since the last log point was dropped for a non-finite loss.
+        train_loss = float("nan") if window is None else window.mean_loss
+        if window is not None:
+            self.progress["final_train_loss"] = window.last_step_loss
         speed = window_steps * self.plan.global_batch_size / seconds
         metrics = {
-            "train_loss": window.mean_loss,
+            "train_loss": train_loss,
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "epoch": (done - 1) // self.steps_per_epoch,
             "samples_per_second": speed,
         }
-        if outcome.grad_norm is not None:
+        if outcome.grad_norm is not None and outcome.stepped:
             metrics["grad_norm"] = float(outcome.grad_norm)
+        metrics.update(self._precision_metrics(done, window_steps, outcome))
         self.logger.log(done, metrics)
         remaining = (self.total_steps - done) * self.plan.global_batch_size / speed
-        self.logger.progress.update(done, window.mean_loss, speed, remaining)
+        self.logger.progress.update(done, train_loss, speed, remaining)
         for callback in callbacks:
             if hasattr(callback, "on_log"):
                 callback.on_log(done, metrics)
+
+    def _precision_metrics(self, done: int, window_steps: int, outcome: StepOutcome) -> dict[str, float]:
+        """Skipped steps, loss scale and gradient underflow; warns (once each) when they look bad."""
+        metrics: dict[str, float] = {"skipped_steps": self.progress["skipped_steps"]}
+        skipped = self.progress["skipped_steps"] - self.skipped_at_last_log
+        self.skipped_at_last_log = self.progress["skipped_steps"]
+        scale_tensor = self.precision.loss_scale()
+        scale = None if scale_tensor is None else float(scale_tensor)
+        if scale is not None:
+            metrics["loss_scale"] = scale
+        if outcome.grad_zero_share is not None:
+            metrics["grad_zero_share"] = float(outcome.grad_zero_share)
+        scale_text = "" if scale is None else f" (loss scale now {scale:g})"
+        if window_steps >= 4 and skipped >= window_steps * SKIPPED_SHARE_WARNING:
+            self._warn_once(
+                "skipped",
+                f"{skipped} of the last {window_steps} steps were skipped{scale_text}: training is "
+                "losing updates; try bf16, a lower learning rate, or gradient clipping",
+            )
+        if scale is not None and scale < 1.0:
+            self._warn_once(
+                "collapsed",
+                f"the fp16 loss scale collapsed to {scale:g} at step {done}: gradients overflow even "
+                "unscaled; try bf16-mixed or a lower learning rate",
+            )
+        zero_share = metrics.get("grad_zero_share", 0.0)
+        if zero_share > UNDERFLOW_SHARE_WARNING:
+            self._warn_once(
+                "underflow",
+                f"{zero_share:.0%} of the fp16 gradient values are exactly zero at step {done}"
+                f"{scale_text}: small gradients may underflow; try bf16 (fp32's range)",
+            )
+        return metrics
+
+    def _warn_once(self, kind: str, text: str) -> None:
+        if kind not in self.warned:
+            self.warned.add(kind)
+            self.logger.message(f"warning: {text}")
 
     def _validate(self, done: int, callbacks: Sequence[Any]) -> float:
         """Validate, log the metrics and return the seconds it took."""
@@ -371,7 +452,7 @@ class _Run:
     def finish(self) -> FitResult:
         """Write the weights and summary.json (rank 0); return the result."""
         if self.env.is_main:
-            export_weights(self.model.state_dict(), self.run_dir / "model.safetensors")
+            export_weights(self.precision.trained_state_dict(self.model), self.run_dir / "model.safetensors")
         samples = self.total_steps * self.plan.global_batch_size
         result = FitResult(
             steps=self.total_steps,
@@ -387,6 +468,8 @@ class _Run:
             peak_memory_bytes=peak_memory_bytes(self.device),
             global_batch_size=self.plan.global_batch_size,
             device=str(self.device),
+            skipped_steps=int(self.progress["skipped_steps"]),
+            nonfinite_steps=int(self.progress["nonfinite_steps"]),
             val_metrics=dict(self.val_metrics),
             out_dir=self.run_dir,
             model=self.model,

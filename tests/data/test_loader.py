@@ -63,6 +63,13 @@ def test_cpu_batches_pass_through_untouched():
     ]
 
 
+def test_a_dtype_casts_floating_tensors_only():
+    batch = {"x": torch.ones(2), "label": torch.tensor([1, 2])}
+    (out,) = device_batches([batch], torch.device("cpu"), torch.bfloat16)
+    assert out["x"].dtype == torch.bfloat16 and out["label"].dtype == torch.int64
+    assert torch.equal(out["label"], batch["label"])
+
+
 def test_other_devices_get_batches_moved():
     out = list(device_batches([(torch.ones(2),)], torch.device("meta")))
     assert out[0][0].device.type == "meta"

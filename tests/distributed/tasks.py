@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import RegressionTask
+from tests.conftest import PoisonedSteps, RegressionTask
 
 
 def mean_task() -> RegressionTask:
@@ -45,3 +45,13 @@ class RecordsRandomNumbers(RegressionTask):
         with open(Path(os.environ["PROBE_DIR"]) / f"rank{os.environ.get('RANK', '0')}.txt", "a") as record:
             record.write(f"{torch.rand(()).item()!r}\n")
         return super().loss(model, batch)
+
+
+def nan_on_rank1_at_step3() -> PoisonedSteps:
+    """Rank 1's loss is NaN on step 3 (one micro-batch per step); rank 0's stays finite."""
+    return PoisonedSteps({3} if os.environ.get("RANK") == "1" else set())
+
+
+def nan_in_second_half_of_step3() -> PoisonedSteps:
+    """One process, micro-batch = half the global batch: what rank 1 computes above is loss call 6."""
+    return PoisonedSteps({6})

@@ -159,6 +159,8 @@ FROZEN_FIT_FLAGS = {
     "--shuffle",
     "--max-grad-norm",
     "--precision",
+    "--on-nan",
+    "--reduced-precision-reduction",
     "--num-workers",
     "--pin-memory",
     "--prefetch-factor",

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import math
-
 import torch
 
 from leantrain.log.metrics import LossTracker
@@ -15,7 +13,6 @@ def test_mean_losses_are_weighted_by_samples():
     window = tracker.read()
     assert window.mean_loss == (1 * 2 + 4 * 2 + 10 * 4) / 8
     assert window.last_step_loss == 10.0
-    assert window.first_nonfinite_step is None
     assert tracker.read() is None  # cleared
 
 
@@ -27,14 +24,15 @@ def test_loss_sums_divide_by_their_total_count():
     assert window.mean_loss == 2.0 and window.last_step_loss == 2.0
 
 
-def test_the_first_non_finite_step_is_named():
+def test_a_discarded_step_leaves_the_window():
     tracker = LossTracker()
     tracker.add(4, torch.tensor(1.0), 1, True)
     tracker.add(5, torch.tensor(float("nan")), 1, True)
-    tracker.add(6, torch.tensor(float("inf")), 1, True)
+    tracker.add(5, torch.tensor(float("inf")), 1, True)
+    tracker.discard_step(5)
+    tracker.discard_step(9)  # nothing of step 9: nothing changes
     window = tracker.read()
-    assert window.first_nonfinite_step == 5
-    assert math.isnan(window.mean_loss)
+    assert window.mean_loss == 1.0 and window.last_step_loss == 1.0
 
 
 def test_adding_keeps_no_graph():

@@ -106,16 +106,23 @@ def build_loader(
     )
 
 
-def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor in a (nested) batch of tuples, lists and dicts to ``device``."""
+def move_to_device(
+    batch: Any, device: torch.device, non_blocking: bool = False, dtype: torch.dtype | None = None
+) -> Any:
+    """Move every tensor in a (nested) batch of tuples, lists and dicts to ``device``.
+
+    With ``dtype``, floating-point tensors are also cast to it (inputs of a 16-bit model);
+    integer tensors such as labels and token ids keep theirs.
+    """
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
+        cast = dtype if dtype is not None and batch.is_floating_point() else None
+        return batch.to(device, dtype=cast, non_blocking=non_blocking)
     if isinstance(batch, dict):
-        return {key: move_to_device(value, device, non_blocking) for key, value in batch.items()}
+        return {key: move_to_device(value, device, non_blocking, dtype) for key, value in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(move_to_device(value, device, non_blocking) for value in batch))
+        return type(batch)(*(move_to_device(value, device, non_blocking, dtype) for value in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(value, device, non_blocking) for value in batch)
+        return type(batch)(move_to_device(value, device, non_blocking, dtype) for value in batch)
     return batch
 
 
@@ -139,9 +146,12 @@ class CudaPrefetcher:
     allocator does not reuse its memory too early.
     """
 
-    def __init__(self, batches: Iterable[Any], device: torch.device) -> None:
+    def __init__(
+        self, batches: Iterable[Any], device: torch.device, dtype: torch.dtype | None = None
+    ) -> None:
         self._source = iter(batches)
         self._device = device
+        self._dtype = dtype
         self._stream = torch.cuda.Stream(device)
         self._next: Any = None
         self._done = False
@@ -154,7 +164,7 @@ class CudaPrefetcher:
             self._done = True
             return
         with torch.cuda.stream(self._stream):
-            self._next = move_to_device(host_batch, self._device, non_blocking=True)
+            self._next = move_to_device(host_batch, self._device, non_blocking=True, dtype=self._dtype)
 
     def __iter__(self) -> CudaPrefetcher:
         return self
@@ -171,10 +181,16 @@ class CudaPrefetcher:
         return batch
 
 
-def device_batches(batches: Iterable[Any], device: torch.device) -> Iterator[Any]:
-    """Batches on ``device``: prefetched on CUDA, moved as they come elsewhere, as is on CPU."""
+def device_batches(
+    batches: Iterable[Any], device: torch.device, dtype: torch.dtype | None = None
+) -> Iterator[Any]:
+    """Batches on ``device`` (floating tensors cast to ``dtype`` when given).
+
+    Prefetched on CUDA, moved as they come elsewhere, and handed out as they are on the CPU
+    when nothing needs casting.
+    """
     if device.type == "cuda":
-        return CudaPrefetcher(batches, device)
-    if device.type == "cpu":
+        return CudaPrefetcher(batches, device, dtype)
+    if device.type == "cpu" and dtype is None:
         return iter(batches)  # already there: no copy, no per-batch overhead
-    return (move_to_device(batch, device) for batch in batches)
+    return (move_to_device(batch, device, dtype=dtype) for batch in batches)

@@ -77,6 +77,10 @@ class CharGPT(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.token.weight  # tied input and output embeddings
+        # Small embeddings (GPT-2's 0.02): with nn.Embedding's N(0, 1), the tied head's first
+        # logits are ~sqrt(width) large and the first loss is ~30 instead of ~log(vocab).
+        nn.init.normal_(self.token.weight, std=0.02)
+        nn.init.normal_(self.position.weight, std=0.02)
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(codes.shape[1], device=codes.device)

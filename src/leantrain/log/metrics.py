@@ -19,7 +19,6 @@ class LossWindow:
 
     mean_loss: float  # over every sample (or element, for LossSum) in the window
     last_step_loss: float  # over the last optimizer step's batch (the global batch when reduced)
-    first_nonfinite_step: int | None  # the first step whose loss was NaN or inf
 
 
 class LossTracker:
@@ -35,6 +34,12 @@ class LossTracker:
         self._totals.append(total)
         self._weights.append(weight)
         self._is_mean.append(is_mean)
+
+    def discard_step(self, step: int) -> None:
+        """Forget the losses of ``step`` (the newest), e.g. a step dropped for a non-finite loss."""
+        while self._steps and self._steps[-1] == step:
+            for column in (self._steps, self._totals, self._weights, self._is_mean):
+                column.pop()
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -75,11 +80,9 @@ class LossTracker:
         sums, weights = both.cpu()  # the one host sync
         steps = torch.tensor(self._steps)
         last = steps == steps[-1]
-        bad = ~torch.isfinite(sums)
         window = LossWindow(
             mean_loss=float(sums.sum() / weights.sum().clamp(min=1)),
             last_step_loss=float(sums[last].sum() / weights[last].sum().clamp(min=1)),
-            first_nonfinite_step=int(steps[bad][0]) if bool(bad.any()) else None,
         )
         self._steps, self._totals, self._weights, self._is_mean = [], [], [], []
         return window
