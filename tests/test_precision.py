@@ -280,3 +280,44 @@ def test_every_mode_trains_the_examples(fit, example, mode):
     losses = [m["train_loss"] for m in recorder.logs]
     assert losses[-1] < 0.85 * losses[0], losses
     assert result.precision == mode and result.nonfinite_steps == 0
+
+
+class ScaledLoss(TinyClassifier):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def loss(self, model, batch):
+        return super().loss(model, batch) * self.factor
+
+
+def test_a_collapsing_scale_and_many_skipped_steps_are_warned_about_once(fit):
+    """Gradients of 1e30 overflow fp16 at any scale: every step is skipped and the scale falls below 1."""
+    with pytest.warns(lt.LeantrainWarning) as caught:
+        result = fit(
+            ScaledLoss(1e30), precision="16-mixed", global_batch_size=32, max_steps=20, log_every_n_steps=5
+        )
+    texts = [str(w.message) for w in caught]
+    assert result.skipped_steps == 20
+    assert sum("5 of the last 5 steps were skipped" in t for t in texts) == 1
+    assert sum("loss scale collapsed" in t for t in texts) == 1
+
+
+def test_underflowing_fp16_gradients_are_warned_about(fit):
+    """Gradients of 1e-30 are 0 in fp16 even scaled by 2^15."""
+    recorder = Recorder()
+    with pytest.warns(lt.LeantrainWarning, match="fp16 gradient values are exactly zero"):
+        fit(
+            ScaledLoss(1e-30),
+            callbacks=[recorder],
+            precision="16-mixed",
+            global_batch_size=32,
+            max_steps=4,
+            log_every_n_steps=2,
+        )
+    assert all(m["grad_zero_share"] > 0.9 for m in recorder.logs)
+
+
+def test_a_healthy_fp16_run_warns_nothing(fit, recwarn):
+    fit(TinyClassifier(), precision="16-mixed", global_batch_size=32, max_steps=8, log_every_n_steps=2)
+    assert not [w for w in recwarn if issubclass(w.category, lt.LeantrainWarning)]

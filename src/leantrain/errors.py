@@ -61,6 +61,10 @@ class CheckpointError(LeantrainError):
     """A checkpoint that is missing, corrupt, unsafe, or does not match this run; names the file."""
 
 
+class LeantrainWarning(UserWarning):
+    """Something in a run looks wrong but training goes on (e.g. many skipped fp16 steps)."""
+
+
 class RunInterrupted(Exception):
     """Training stopped on a signal (SIGTERM, SIGUSR1) after saving a checkpoint.
 

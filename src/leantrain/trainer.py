@@ -286,7 +286,7 @@ class _Run:
         self.tracker.discard_step(step)  # non-finite values never reach the log
         what = "loss" if status is StepStatus.NONFINITE_LOSS else "gradient norm"
         if self.cfg.on_nan == "skip":
-            self.logger.message(f"warning: step {step + 1} skipped: the {what} is not finite")
+            self.logger.warning(f"step {step + 1} skipped: the training {what} is not finite")
             return
         path = self._save_checkpoint(step)  # nothing was updated: the state after the step before
         raise NonFiniteLossError(
@@ -366,7 +366,7 @@ class _Run:
     def _warn_once(self, kind: str, text: str) -> None:
         if kind not in self.warned:
             self.warned.add(kind)
-            self.logger.message(f"warning: {text}")
+            self.logger.warning(text)
 
     def _validate(self, done: int, callbacks: Sequence[Any]) -> float:
         """Validate, log the metrics and return the seconds it took."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,17 @@ def test_launch_and_slurm_need_the_fit_command(tmp_path):
     for command in ("launch", "slurm"):
         done = run(command, "--global-batch-size", "64", cwd=tmp_path)
         assert done.returncode == 2 and "leantrain: error:" in done.stderr
+
+
+def test_a_nan_loss_prints_one_line_naming_the_step_and_the_saved_state(tmp_path):
+    repo = Path(__file__).parents[2]
+    done = subprocess.run(
+        [LEANTRAIN, "fit", "--task", "tests.distributed.tasks:nan_in_second_half_of_step3",
+         "--global-batch-size", "16", "--micro-batch-size", "8", "--max-steps", "6", "--progress", "none",
+         "--out", str(tmp_path / "x")],
+        cwd=repo, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(repo)},
+    )  # fmt: skip
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert "not finite at step 3" in line and "step-00000002.pt" in line
+    assert (tmp_path / "x" / "checkpoints" / "step-00000002.pt").is_file()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
+from leantrain.errors import LeantrainWarning
 from leantrain.log.progress import make_progress
 from leantrain.log.sinks import CSVSink, Sink, TensorBoardSink
 
@@ -20,6 +22,7 @@ class RunLogger:
     ) -> None:
         """``enabled=False`` (ranks other than 0) writes and prints nothing."""
         self.sinks: list[Sink] = []
+        self.enabled = enabled
         self.progress = make_progress(progress if enabled else "none", total_steps)
         if not enabled:
             return
@@ -34,6 +37,11 @@ class RunLogger:
 
     def message(self, text: str) -> None:
         self.progress.message(text)
+
+    def warning(self, text: str) -> None:
+        """A :class:`LeantrainWarning`: on stderr (shown once per text), catchable in Python."""
+        if self.enabled:
+            warnings.warn(text, LeantrainWarning, stacklevel=2)
 
     def close(self) -> None:
         self.progress.close()
