@@ -67,7 +67,7 @@ class StepStatus(enum.Enum):
 class StepOutcome(NamedTuple):
     status: StepStatus
     grad_norm: torch.Tensor | None  # total norm before clipping, on the device (no sync)
-    grad_zero_share: torch.Tensor | None = None  # share of gradient values exactly 0 (when inspected)
+    grad_underflow_share: torch.Tensor | None = None  # fp16, when inspected: see _underflow_share
 
     @property
     def stepped(self) -> bool:
@@ -114,8 +114,8 @@ class Accumulator:
     ) -> StepOutcome:
         """One optimizer step over the next micro-batches; updates only when everything is finite.
 
-        ``inspect_grads`` (at log points) also measures the share of zero gradient values
-        when the loss is scaled (fp16), a sign of underflow.
+        ``inspect_grads`` (at log points) also measures how much of the scaled fp16
+        gradient sits at the bottom of fp16's range (``_underflow_share``).
         """
         last = self.plan.accumulation_steps - 1
         counts: list[torch.Tensor | int] = []
@@ -128,42 +128,42 @@ class Accumulator:
                 term = self._backward_term(loss, micro, counts, step_index, tracker)
                 losses.append(term.detach())
                 self.precision.backward(term)
+        # Whether every micro-batch's loss is finite, on every rank (a device flag).
+        finite = (losses[0] if len(losses) == 1 else torch.stack(losses)).isfinite().all()
         if counts:
-            self._divide_by_global_count(counts)
-        zero_share = None
+            finite = self._divide_by_global_count(counts, finite)
+        elif self.plan.world_size > 1:
+            finite = self.all_reduce_sum((~finite).double()) == 0
+        underflow = None
         if inspect_grads and self.precision.loss_scale() is not None:
-            zero_share = _zero_share(self.params)
+            underflow = _underflow_share(self.params)
         report = self.precision.unscale_and_clip(self.params, self.max_grad_norm)
-        status = self._check_finite(losses, report)
+        status = self._check_finite(finite, report)
         if status is StepStatus.STEPPED:
             self.precision.step(optimizer)
         else:
             self.precision.skip_step(overflowed=status is StepStatus.OVERFLOW)
         self.precision.zero_grad(optimizer)
-        return StepOutcome(status, report.norm, zero_share)
+        return StepOutcome(status, report.norm, underflow)
 
-    def _check_finite(self, losses: list[torch.Tensor], report: GradReport) -> StepStatus:
+    def _check_finite(self, finite: torch.Tensor, report: GradReport) -> StepStatus:
         """Whether this step may update the weights: the one host read of a step.
 
         The decision must come before the update (a NaN update cannot be undone without
         a copy of the weights and the optimizer state), so it needs the flags on the host.
-        It is the same on every rank: the loss flag is summed over the ranks, and the
-        gradient flags come from gradients that are already reduced.
+        It is the same on every rank: ``finite`` already covers every rank's losses, and
+        the gradient flags come from gradients that are already reduced.
         """
-        loss_bad = ~(losses[0] if len(losses) == 1 else torch.stack(losses)).isfinite().all()
         grad_bad = report.overflow
         if grad_bad is None and report.norm is not None:
             grad_bad = ~report.norm.isfinite()
-        flags = [loss_bad.reshape(1).float()]
-        if grad_bad is not None:
-            flags.append(grad_bad.reshape(1).float())
-        both = torch.cat(flags) if len(flags) > 1 else flags[0]
-        if self.plan.world_size > 1:
-            both = self.all_reduce_sum(both)
-        loss_flag, *grad_flag = both.tolist()  # the host read
-        if loss_flag:
+        if grad_bad is None:
+            return StepStatus.STEPPED if finite.item() else StepStatus.NONFINITE_LOSS  # the host read
+        flags = torch.stack([(~finite).reshape(()), grad_bad.reshape(()) != 0])
+        loss_bad, overflowed = flags.tolist()  # the host read
+        if loss_bad:
             return StepStatus.NONFINITE_LOSS
-        if grad_flag and grad_flag[0]:
+        if overflowed:
             return StepStatus.OVERFLOW if report.overflow is not None else StepStatus.NONFINITE_GRADIENT
         return StepStatus.STEPPED
 
@@ -190,27 +190,43 @@ class Accumulator:
         # as a hand-written loop.
         return loss if self.mean_loss_weight == 1 else loss * self.mean_loss_weight
 
-    def _divide_by_global_count(self, counts: list[torch.Tensor | int]) -> None:
+    def _divide_by_global_count(self, counts: list[torch.Tensor | int], finite: torch.Tensor) -> torch.Tensor:
+        """Scale the gradients by ``world / global count``; returns ``finite`` for all ranks.
+
+        In several processes the counts and the loss flags travel in one all-reduce.
+        """
         grads = [p.grad for p in self.params if p.grad is not None]
         local = sum(counts)
         if isinstance(local, int) and self.plan.world_size == 1:
             factor: torch.Tensor | float = 1.0 / max(local, 1)
         else:
-            device = grads[0].device if grads else None
-            total = self.all_reduce_sum(torch.as_tensor(local, dtype=torch.float64, device=device))
+            device = grads[0].device if grads else finite.device
+            local_count = torch.as_tensor(local, dtype=torch.float64, device=device)
+            total, bad = self.all_reduce_sum(torch.stack([local_count, (~finite).double().to(device)]))
             # Data-parallel averaging divides by world; multiplying by it restores the sum.
             factor = self.plan.world_size / total.clamp(min=1)
+            finite = bad == 0
         if grads:
             torch._foreach_mul_(grads, factor)
+        return finite
 
 
-def _zero_share(params: list[torch.Tensor]) -> torch.Tensor | None:
-    """The share of gradient values that are exactly zero (a device tensor)."""
+# fp16's smallest normal value: below it, values lose precision, and below 2**-24 they are 0.
+FP16_SMALLEST_NORMAL = 2.0**-14
+
+
+def _underflow_share(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The share of non-zero scaled gradient values below fp16's smallest normal (a device tensor).
+
+    Exact zeros are left out: dead ReLUs and unused rows make many of them in any format.
+    A gradient that is zero everywhere counts as fully underflowed (1.0).
+    """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return None
-    zeros = torch.stack([(g == 0).sum() for g in grads]).sum()
-    return zeros / sum(g.numel() for g in grads)
+    nonzero = torch.stack([(g != 0).sum() for g in grads]).sum()
+    tiny = torch.stack([((g != 0) & (g.abs() < FP16_SMALLEST_NORMAL)).sum() for g in grads]).sum()
+    return torch.where(nonzero > 0, tiny / nonzero.clamp(min=1), 1.0)
 
 
 def _check_scalar(value: Any, what: str) -> None:

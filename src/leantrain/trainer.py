@@ -56,16 +56,16 @@ from leantrain.runtime import (
 )
 from leantrain.task import check_task
 
-# Warn when this share of a log window's steps made no update, or of fp16 gradient values is 0.
+# Warn when this share of a log window's steps made no update, or of fp16 gradient values underflows.
 SKIPPED_SHARE_WARNING = 0.25
-UNDERFLOW_SHARE_WARNING = 0.5
+UNDERFLOW_SHARE_WARNING = 0.25
 
 
 class StepStats(NamedTuple):
     step: int  # optimizer steps completed (a skipped step counts: its batch was used)
     status: StepStatus  # STEPPED, or why the update was skipped
     grad_norm: torch.Tensor | None  # on the device: reading it is a host sync
-    grad_zero_share: torch.Tensor | None = None  # fp16 only, at log points
+    grad_underflow_share: torch.Tensor | None = None  # fp16 only, at log points
 
     @property
     def stepped(self) -> bool:
@@ -195,7 +195,8 @@ class _Run:
             "skipped_steps": 0,
             "nonfinite_steps": 0,
         }
-        self.skipped_at_last_log = 0
+        self.worrying_skips = 0  # skipped steps, less the fp16 scale's calibration at the start
+        self.worrying_skips_at_last_log = 0
         self.warned: set[str] = set()  # each precision warning is given once per run
 
         train_data = task.train_data()
@@ -279,6 +280,9 @@ class _Run:
 
     def _skipped(self, step: int, status: StepStatus) -> None:
         """Count a step that made no update; apply the NaN policy to a non-finite one."""
+        # Overflows before the first update are the fp16 scale settling from its initial value.
+        calibrating = status is StepStatus.OVERFLOW and step == self.progress["skipped_steps"]
+        self.worrying_skips += not calibrating
         self.progress["skipped_steps"] += 1
         if status is StepStatus.OVERFLOW:
             return  # routine for fp16: the scale was lowered
@@ -333,16 +337,16 @@ class _Run:
     def _precision_metrics(self, done: int, window_steps: int, outcome: StepOutcome) -> dict[str, float]:
         """Skipped steps, loss scale and gradient underflow; warns (once each) when they look bad."""
         metrics: dict[str, float] = {"skipped_steps": self.progress["skipped_steps"]}
-        skipped = self.progress["skipped_steps"] - self.skipped_at_last_log
-        self.skipped_at_last_log = self.progress["skipped_steps"]
+        skipped = self.worrying_skips - self.worrying_skips_at_last_log
+        self.worrying_skips_at_last_log = self.worrying_skips
         scale_tensor = self.precision.loss_scale()
         scale = None if scale_tensor is None else float(scale_tensor)
         if scale is not None:
             metrics["loss_scale"] = scale
-        if outcome.grad_zero_share is not None:
-            metrics["grad_zero_share"] = float(outcome.grad_zero_share)
+        if outcome.grad_underflow_share is not None:
+            metrics["grad_underflow_share"] = float(outcome.grad_underflow_share)
         scale_text = "" if scale is None else f" (loss scale now {scale:g})"
-        if window_steps >= 4 and skipped >= window_steps * SKIPPED_SHARE_WARNING:
+        if window_steps >= 4 and skipped > window_steps * SKIPPED_SHARE_WARNING:
             self._warn_once(
                 "skipped",
                 f"{skipped} of the last {window_steps} steps were skipped{scale_text}: training is "
@@ -354,12 +358,12 @@ class _Run:
                 f"the fp16 loss scale collapsed to {scale:g} at step {done}: gradients overflow even "
                 "unscaled; try bf16-mixed or a lower learning rate",
             )
-        zero_share = metrics.get("grad_zero_share", 0.0)
-        if zero_share > UNDERFLOW_SHARE_WARNING:
+        underflow = metrics.get("grad_underflow_share", 0.0)
+        if underflow > UNDERFLOW_SHARE_WARNING:
             self._warn_once(
                 "underflow",
-                f"{zero_share:.0%} of the fp16 gradient values are exactly zero at step {done}"
-                f"{scale_text}: small gradients may underflow; try bf16 (fp32's range)",
+                f"{underflow:.0%} of the non-zero fp16 gradient values are below fp16's smallest normal "
+                f"at step {done}{scale_text}: small gradients lose precision or flush to 0; try bf16",
             )
         return metrics
 
