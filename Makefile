@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/ddp.py
+	$(PY) benchmarks/precision.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

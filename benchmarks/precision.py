@@ -19,7 +19,7 @@ Three measurements, all with one intra-op thread (``torch.set_num_threads(1)``):
    process it reports at least the parent's peak (Linux keeps the high-water mark of the image
    replaced by ``exec`` in the process's rusage), which hid every difference between modes.
 
-    python benchmarks/precision.py            # full run (about 7 min on 2 cores); writes results/precision.md
+    python benchmarks/precision.py            # full run (about 6 min on 2 cores); writes results/precision.md
     python benchmarks/precision.py --quick    # smoke run; prints the tables only
 """
 
@@ -36,13 +36,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import default_collate
 
 import leantrain as lt
@@ -151,19 +152,46 @@ def measure_speed(task: CharLM, steps: int, rounds: int, warmup: int) -> list[Ti
     return timed
 
 
-def bare_matmul_ms(repeats: int = 30) -> dict[str, float]:
-    """One charlm-sized matmul (the MLP's first layer on a micro-batch) per dtype, in ms."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MATMUL, ATTENTION, FORWARD = "matmul", "attention", "attention forward"
+
+
+def median_ms(run: Callable[[], object], repeats: int = 30) -> float:
+    run()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples) * 1e3
+
+
+def kernel_ms() -> dict[str, dict[str, float]]:
+    """Two of charlm's kernels on its shapes, per dtype, in ms: where the step time goes.
+
+    The MLP's first matmul on a micro-batch (forward), and causal attention as the model
+    calls it (``scaled_dot_product_attention``), forward and backward, once per layer; and
+    its forward alone.
+    """
     rows, inner, cols = BATCH_SIZE * SIZE["block"], SIZE["width"], 4 * SIZE["width"]
-    times: dict[str, float] = {}
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    qkv_shape = (BATCH_SIZE, SIZE["heads"], SIZE["block"], SIZE["width"] // SIZE["heads"])
+    times: dict[str, dict[str, float]] = {MATMUL: {}, ATTENTION: {}, FORWARD: {}}
+    for name, dtype in DTYPES.items():
         a, b = torch.randn(rows, inner).to(dtype), torch.randn(inner, cols).to(dtype)
-        a @ b  # warm-up
-        samples = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            a @ b
-            samples.append(time.perf_counter() - started)
-        times[str(dtype).removeprefix("torch.")] = statistics.median(samples) * 1e3
+        times[MATMUL][name] = median_ms(lambda a=a, b=b: a @ b)
+        q, k, v = (torch.randn(qkv_shape).to(dtype).requires_grad_() for _ in range(3))
+
+        def attention(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(torch.ones_like(out))
+            for tensor in (q, k, v):
+                tensor.grad = None
+
+        times[ATTENTION][name] = median_ms(attention)
+        with torch.no_grad():
+            times[FORWARD][name] = median_ms(
+                lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            )
     return times
 
 
@@ -386,7 +414,7 @@ def render(
     timed: list[Timed],
     states: dict[str, StateBytes],
     rss: list[Rss],
-    matmul: dict[str, float],
+    kernels: dict[str, dict[str, float]],
     args: argparse.Namespace,
     load_before: str,
     minutes: float,
@@ -437,12 +465,24 @@ def render(
             f"| {ranged(ratios[entry.name], 3)} | {ranged(entry.skipped, 0)} "
             f"| {ranged(entry.losses, 4)} |"
         )
-    matmul_text = ", ".join(f"{dtype} {ms:.2f} ms" for dtype, ms in matmul.items())
     rows, inner, cols = BATCH_SIZE * SIZE["block"], SIZE["width"], 4 * SIZE["width"]
+    head = SIZE["width"] // SIZE["heads"]
+    kernel_names = {
+        MATMUL: f"matmul {rows} x {inner} @ {inner} x {cols} (the MLP's first layer, forward)",
+        ATTENTION: f"causal `scaled_dot_product_attention`, forward + backward, q/k/v {BATCH_SIZE} x "
+        f"{SIZE['heads']} x {SIZE['block']} x {head} (once per layer, {SIZE['layers']} layers)",
+        FORWARD: "the same attention, forward only (no grad)",
+    }
     lines += [
         "",
-        f"Bare matmul of the same shapes as the model's MLP layer ({rows} x {inner} @ {inner} x {cols}, "
-        f"median of 30): {matmul_text}.",
+        "Two of the model's kernels alone, on its shapes, one thread, median of 30 calls (ms):",
+        "",
+        "| Kernel | " + " | ".join(DTYPES) + " |",
+        "|---|" + "---:|" * len(DTYPES),
+        *(
+            f"| {kernel_names[kernel]} | " + " | ".join(f"{kernels[kernel][d]:.2f}" for d in DTYPES) + " |"
+            for kernel in (MATMUL, ATTENTION, FORWARD)
+        ),
         "",
         "## State bytes of one step (exact, from the tensors)",
         "",
@@ -501,15 +541,16 @@ def render(
             f"| {statistics.median(cold) / cold32:.2f} | {entry.before(warm=True):.1f} | {ranged(warm, 1)} "
             f"| {statistics.median(warm) / warm32:.2f} |"
         )
-    lines += ["", "## Reading the results", "", *interpretation(speed, states, rss, matmul, flags)]
+    lines += ["", "## Reading the results", "", *interpretation(timed, speed, states, rss, kernels, flags)]
     return "\n".join(lines) + "\n"
 
 
 def interpretation(
+    timed: list[Timed],
     speed: dict[str, float],
     states: dict[str, StateBytes],
     rss: list[Rss],
-    matmul: dict[str, float],
+    kernels: dict[str, dict[str, float]],
     flags: dict[str, bool],
 ) -> list[str]:
     """A few sentences derived from the numbers of this run (so a re-run stays truthful)."""
@@ -521,17 +562,26 @@ def interpretation(
 
     units = (("AMX-BF16", "amx_bf16"), ("AVX512-BF16", "avx512_bf16"))
     bf16_units = [name for name, flag in units if flags[flag]]
+    mm, at, fw = kernels[MATMUL], kernels[ATTENTION], kernels[FORWARD]
+    step = {entry.name: statistics.median(entry.medians) * 1e3 for entry in timed}
+    extra_attention = SIZE["layers"] * (at["bfloat16"] - at["float32"])
+    extra_step = step["bf16-mixed"] - step[BASELINE]
     lines = [
         f"- Speed. bf16-mixed: {pace(speed['bf16-mixed'])}; bf16-true: {pace(speed['bf16-true'])}; "
         f"16-mixed: {pace(speed['16-mixed'])}; 16-true: {pace(speed['16-true'])}. Noise floor "
         f"(fp32 against itself): {speed[NOISE_FLOOR]:.3f}.",
-        f"- This CPU has {' and '.join(bf16_units) or 'no bf16 units'}: a bare charlm-sized matmul takes "
-        f"{matmul['bfloat16']:.2f} ms in bf16 against {matmul['float32']:.2f} ms in fp32. fp16 has "
-        f"{'AMX-FP16' if flags['amx_fp16'] else 'no matrix unit here (no AMX-FP16)'}: "
-        f"{matmul['float16']:.2f} ms. At this model size the matmuls are a minority of the step: the "
-        "casts autocast inserts, layer norms, attention, GELU, the loss and the optimizer (plus, for "
-        "-true, the fp32 master copy and its copy back) are elementwise or small work that 16-bit does "
-        "not speed up on a CPU, and often slows down (conversions, less-tuned kernels).",
+        f"- Kernels. This CPU has {' and '.join(bf16_units) or 'no bf16 units'}: the bf16 matmul "
+        f"takes {mm['bfloat16'] / mm['float32']:.2f}x the fp32 time. fp16 has "
+        f"{'AMX-FP16' if flags['amx_fp16'] else 'no matrix unit here (no AMX-FP16'}"
+        f"{', only AVX512-FP16)' if flags['avx512_fp16'] and not flags['amx_fp16'] else ')'}: "
+        f"{mm['float16'] / mm['float32']:.2f}x. But torch's CPU attention is slower in 16-bit: "
+        f"{at['bfloat16'] / at['float32']:.1f}x (bf16) and {at['float16'] / at['float32']:.1f}x (fp16) "
+        f"the fp32 time for forward + backward, while the forward alone takes "
+        f"{fw['bfloat16'] / fw['float32']:.2f}x and {fw['float16'] / fw['float32']:.2f}x: the backward "
+        f"kernel is the slow one. That is "
+        f"{extra_attention:.0f} ms more per step in bf16 over {SIZE['layers']} layers, against "
+        f"{extra_step:.0f} ms more per step measured for bf16-mixed: the attention eats the matmul "
+        "gain and more. fp16 gets no matmul gain to offset it.",
     ]
     s32, sm, st = states[BASELINE], states["bf16-mixed"], states["bf16-true"]
     lines.append(
@@ -554,9 +604,10 @@ def interpretation(
         "share, and the cold figures mostly measure torch's first step."
     )
     lines.append(
-        "- On a CPU the case for 16-bit is memory, not speed; where the step is dominated by large "
-        "matmuls (wider models, longer sequences) and the CPU has AMX-BF16, bf16 can pay off in time "
-        "too. fp16 on a CPU without AMX-FP16 brings loss scaling and its skipped steps for no speed."
+        "- On this CPU the sure gain of 16-bit is memory. bf16 could also gain time where matmuls "
+        "dominate and attention does not (wider models; a model without `scaled_dot_product_attention`, "
+        "or a torch whose 16-bit CPU attention backward is faster); fp16 without AMX-FP16 brings loss "
+        "scaling and its skipped steps for no speed."
     )
     return lines
 
@@ -613,12 +664,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(THREADS)
     task = make_task()
     states = {mode: state_bytes(task, mode) for mode in MODES}
-    matmul = bare_matmul_ms()
+    kernels = kernel_ms()
     timed = measure_speed(task, args.steps, args.rounds, args.warmup)
     with tempfile.TemporaryDirectory(prefix="leantrain-precision-rss-") as scratch:
         rss = measure_rss(args.rss_steps, args.rss_repetitions, Path(scratch))
     minutes = (time.perf_counter() - started) / 60
-    table = render(timed, states, rss, matmul, args, load_before, minutes)
+    table = render(timed, states, rss, kernels, args, load_before, minutes)
     print(table)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
