@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 import leantrain as lt
 
@@ -61,6 +61,25 @@ class PoisonedSteps(RegressionTask):
         self.calls += 1
         loss = super().loss(model, batch)
         return loss * self.factor if self.calls in self.poisoned else loss
+
+
+class StreamedRegression(RegressionTask):
+    """RegressionTask's data as a stream (in index order), sized or not."""
+
+    def __init__(self, sized: bool = True) -> None:
+        super().__init__()
+        self.sized = sized
+
+    def train_data(self):
+        data = super().train_data()
+
+        class Stream(IterableDataset):
+            def __iter__(inner):
+                return (data[i] for i in range(len(data)))
+
+        if self.sized:
+            Stream.__len__ = lambda inner: len(data)
+        return Stream()
 
 
 class TinyClassifier:

@@ -1,4 +1,4 @@
-"""The ``leantrain`` command: ``fit``, ``launch``, ``slurm``, ``examples`` and ``export``.
+"""The ``leantrain`` command: ``fit``, ``launch``, ``slurm``, ``examples``, ``export`` and ``cache``.
 
 Every :class:`TrainConfig` field is a hyphenated ``fit`` flag and a key of the YAML file
 given with ``--config``; the flags are generated from the dataclass, grouped as its
@@ -14,6 +14,7 @@ import dataclasses
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser
@@ -22,7 +23,9 @@ from rich.table import Table
 
 from leantrain.checkpoint import export_checkpoint
 from leantrain.config import GROUPS, TrainConfig, coerce, metavar
-from leantrain.errors import LeantrainError, RunInterrupted, TaskError
+from leantrain.data.cache import prepare_cache, task_source
+from leantrain.data.workers import auto_workers
+from leantrain.errors import ConfigError, LeantrainError, RunInterrupted, TaskError
 from leantrain.examples import DEFAULT_EXAMPLE, EXAMPLES, load_example
 from leantrain.parallel.env import detect
 from leantrain.parallel.launch import LaunchOptions, launch
@@ -86,7 +89,47 @@ def build_parser() -> ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint file (run folder/checkpoints/step-*.pt)")
     export.add_argument("out", help="the .safetensors file to write (or a folder: OUT/model.safetensors)")
     commands.add_subcommand("export", export, help="turn a checkpoint into safetensors weights")
+    commands.add_subcommand(
+        "cache", _cache_parser(), help="preprocess a task's data once into a memory-mapped cache"
+    )
     return parser
+
+
+def _cache_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        description="Load every item of the task's train and val data once and store them, memory-mapped, "
+        "in OUT/train and OUT/val; then `fit --cache OUT` reads them at memory speed.",
+        exit_on_error=False,
+    )
+    parser.add_argument("--task", default=None, help="the task, as 'pkg.module:Name'")
+    parser.add_argument("--example", default=None, help=f"a built-in task: {', '.join(EXAMPLES)}")
+    parser.add_argument("--out", required=True, help="the cache folder")
+    parser.add_argument(
+        "--num-workers", default="auto", help="processes that load the items: N, or auto (the CPUs available)"
+    )
+    return parser
+
+
+def run_cache(values: dict[str, Any], console: Console) -> None:
+    task, _ = resolve_task(values.get("task"), values.get("example"))
+    workers = coerce(values["num_workers"], int | typing.Literal["auto"])
+    if workers == "auto":
+        workers = auto_workers(processes_per_node=1)
+    elif not isinstance(workers, int) or workers < 0:
+        raise ConfigError("num_workers", values["num_workers"], "must be 0 or more, or auto")
+    for split in ("train", "val"):
+        data_fn = getattr(task, f"{split}_data", None)
+        dataset = data_fn() if callable(data_fn) else None
+        if dataset is None:
+            continue
+        folder = Path(values["out"]) / split
+        cached, built = prepare_cache(dataset, folder, task_source(task, split), f"{split}_data", workers)
+        how = (
+            f"built in {built['build_seconds']:.1f} s with {workers} worker(s)"
+            if built
+            else "already complete"
+        )
+        console.print(f"{folder}: {len(cached):,} items, {cached.nbytes / 2**20:,.1f} MiB, {how}")
 
 
 def _launch_parser() -> ArgumentParser:
@@ -221,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(script, end="")
             else:
                 console.print(f"submitted SLURM job {submit(script)}")
+        elif namespace.command == "cache":
+            run_cache(namespace.cache.as_dict(), console)
         elif namespace.command == "export":
             written = export_checkpoint(namespace.export.checkpoint, namespace.export.out)
             console.print(f"wrote {written}")

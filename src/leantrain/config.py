@@ -20,6 +20,7 @@ from leantrain.errors import ConfigError
 
 Precision = Literal["32", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 NanPolicy = Literal["stop", "skip"]
+WorkerChoice = Literal["auto", "tune"]
 Strategy = Literal["auto", "single", "ddp", "dp"]
 ProgressMode = Literal["auto", "rich", "plain", "none"]
 
@@ -76,10 +77,23 @@ class TrainConfig:
         False, "precision", "on CUDA, let 16-bit matmuls accumulate in 16-bit (faster, less exact)"
     )
     # data
-    num_workers: int = _field(0, "data", "DataLoader worker processes (0: load in the main process)")
+    num_workers: int | WorkerChoice = _field(
+        0,
+        "data",
+        "DataLoader worker processes: N (0: load in the main process), auto (this process's share of the "
+        "CPUs), or tune (measure a few counts on the first batches, keep the fastest)",
+    )
     pin_memory: bool | None = _field(None, "data", "page-locked host batches; null: on with CUDA only")
     prefetch_factor: int | None = _field(
-        None, "data", "batches each worker loads ahead (needs workers); null: torch's default"
+        None,
+        "data",
+        "batches each worker loads ahead (needs workers); null: 2, or 2 steps' worth with auto/tune",
+    )
+    cache: str | None = _field(
+        None,
+        "data",
+        "folder of a memory-mapped cache of the task's data: built on first use (see `leantrain cache`), "
+        "read at memory speed after",
     )
     # parallel
     device: str = _field("auto", "parallel", "auto (CUDA if present, else CPU), cpu, cuda, cuda:N or mps")
@@ -121,6 +135,8 @@ class TrainConfig:
             if value is not None and not check(value):
                 raise ConfigError(name, value, allowed)
         self._validate_batch(world_size)
+        if self.cache is not None and not self.cache.strip():
+            raise ConfigError("cache", self.cache, "must be a folder path")
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise ConfigError("prefetch_factor", self.prefetch_factor, "needs num_workers > 0")
         if self.resume == "auto" and self.out_dir is None:
@@ -172,7 +188,7 @@ _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "max_steps": (_positive, "must be a positive integer"),
     "max_epochs": (_positive, "must be a positive integer"),
     "max_grad_norm": (_positive, "must be a positive number"),
-    "num_workers": (lambda v: v >= 0, "must be 0 or more"),
+    "num_workers": (lambda v: isinstance(v, str) or v >= 0, "must be 0 or more, auto or tune"),
     "prefetch_factor": (_positive, "must be a positive integer"),
     "seed": (lambda v: 0 <= v < 2**63, "must be between 0 and 2**63 - 1"),
     "log_every_n_steps": (_positive, "must be a positive integer"),

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from leantrain.errors import TaskError
 
@@ -35,14 +35,16 @@ class Task(Protocol):
     """What leantrain needs to train a model.
 
     Optional methods, used when present:
-    ``val_data() -> Dataset | None``, ``scheduler(optimizer) -> LRScheduler``,
+    ``val_data() -> Dataset | IterableDataset | None``, ``scheduler(optimizer) -> LRScheduler``,
     ``metrics(model, batch) -> dict[str, Tensor]`` (means over the batch, computed in
-    evaluation on the validation data).
+    evaluation on the validation data), ``augment(batch) -> batch`` (random augmentation
+    of a training micro-batch on the device, after loading: it stays random when the
+    data comes from a cache).
     """
 
     def model(self) -> nn.Module: ...
 
-    def train_data(self) -> Dataset: ...
+    def train_data(self) -> Dataset | IterableDataset: ...
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor | LossSum: ...
 

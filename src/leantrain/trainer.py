@@ -20,7 +20,6 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Subset
 
 from leantrain._version import __version__
 from leantrain.batching import Accumulator, BatchPlan, StepOutcome, StepStatus
@@ -35,8 +34,9 @@ from leantrain.checkpoint import (
     restore_rng,
 )
 from leantrain.config import TrainConfig
-from leantrain.data.loader import build_loader, check_map_style, device_batches
-from leantrain.data.sampler import GlobalBatchSampler, steps_per_epoch
+from leantrain.data.loader import device_batches
+from leantrain.data.pipeline import build_train_loader, build_val_loader, load_train_data
+from leantrain.data.sampler import steps_per_epoch
 from leantrain.errors import CheckpointError, LeantrainError, NonFiniteLossError, RunInterrupted, TaskError
 from leantrain.evaluation import evaluate
 from leantrain.files import atomic_write_json
@@ -97,6 +97,7 @@ class FitResult:
     peak_memory_bytes: int
     global_batch_size: int
     device: str
+    num_workers: int = 0  # the DataLoader workers used (as resolved from auto / tune)
     skipped_steps: int = 0  # steps without an update: fp16 overflows and, with on_nan=skip, non-finite ones
     nonfinite_steps: int = 0  # of those, the steps whose loss or gradient was NaN/inf
     val_metrics: dict[str, float] = field(default_factory=dict)
@@ -199,10 +200,10 @@ class _Run:
         self.worrying_skips_at_last_log = 0
         self.warned: set[str] = set()  # each precision warning is given once per run
 
-        train_data = task.train_data()
-        self.dataset_size = check_map_style(train_data, "train_data")
-        self.steps_per_epoch = steps_per_epoch(self.dataset_size, self.plan)
-        epoch_steps = cfg.epoch_limit and cfg.epoch_limit * self.steps_per_epoch
+        self.data = load_train_data(task, cfg, env)
+        self.dataset_size = self.data.size  # None for a stream without __len__
+        self.steps_per_epoch = None if self.data.size is None else steps_per_epoch(self.data.size, self.plan)
+        epoch_steps = cfg.epoch_limit and self.steps_per_epoch and cfg.epoch_limit * self.steps_per_epoch
         self.total_steps = min(limit for limit in (cfg.max_steps, epoch_steps) if limit)
         self.checkpoints = CheckpointFolder(run_dir / "checkpoints", cfg.keep_checkpoints)
         self.start_step = 0
@@ -210,27 +211,12 @@ class _Run:
         self._resume(cfg.resume)
 
         pin = cfg.pin_memory if cfg.pin_memory is not None else device.type == "cuda"
-        loader_options = dict(
-            num_workers=cfg.num_workers, pin_memory=pin, prefetch_factor=cfg.prefetch_factor, seed=cfg.seed
+        self.train_loader, self.num_workers, prefetch = build_train_loader(
+            self.data, cfg, env, self.plan, self.total_steps, self.start_step, pin
         )
-        sampler = GlobalBatchSampler(
-            self.dataset_size,
-            self.plan,
-            self.total_steps,
-            seed=cfg.seed,
-            shuffle=cfg.shuffle,
-            rank=env.rank,
-            start_step=self.start_step,
+        self.val_loader = build_val_loader(
+            task, cfg, env, self.plan, self.num_workers, prefetch, pin, self.data.notes
         )
-        self.train_loader = build_loader(train_data, "train_data", batch_sampler=sampler, **loader_options)
-        val_fn = getattr(task, "val_data", None)
-        val_data = val_fn() if callable(val_fn) else None
-        self.val_loader = None
-        if val_data is not None:
-            size = check_map_style(val_data, "val_data")
-            share = Subset(val_data, range(env.rank, size, env.world_size)) if env.distributed else val_data
-            batch = self.plan.micro_batch_size
-            self.val_loader = build_loader(share, "val_data", batch_size=batch, **loader_options)
         self.logger = RunLogger(
             run_dir, self.total_steps, cfg.progress, cfg.tensorboard, self.start_step, enabled=env.is_main
         )
@@ -241,9 +227,12 @@ class _Run:
             f"x {env.world_size} process(es), strategy {strategy}, precision {self.precision.name}, "
             f"on {device}, into {run_dir}{resumed}"
         )
+        for note in self.data.notes:
+            self.logger.message(note)
 
     def train(self, callbacks: Sequence[Callback], signals: StopSignals) -> None:
         cfg, model, optimizer, task = self.cfg, self.parallel.module, self.optimizer, self.task
+        loss_fn = _with_augmentation(task)
         batches = device_batches(self.train_loader, self.device, self.precision.input_dtype)
         model.train()
         if self._saved_rng is not None:
@@ -254,7 +243,7 @@ class _Run:
         for step in range(self.start_step, self.total_steps):
             done = step + 1
             log_due = done % cfg.log_every_n_steps == 0 or done == self.total_steps
-            outcome = self.accumulator.step(model, optimizer, task.loss, batches, step, self.tracker, log_due)
+            outcome = self.accumulator.step(model, optimizer, loss_fn, batches, step, self.tracker, log_due)
             if not outcome.stepped:
                 self._skipped(step, outcome.status)
             elif self.scheduler is not None:
@@ -321,9 +310,10 @@ class _Run:
         metrics = {
             "train_loss": train_loss,
             "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "epoch": (done - 1) // self.steps_per_epoch,
             "samples_per_second": speed,
         }
+        if self.steps_per_epoch is not None:
+            metrics["epoch"] = (done - 1) // self.steps_per_epoch
         if outcome.grad_norm is not None and outcome.stepped:
             metrics["grad_norm"] = float(outcome.grad_norm)
         metrics.update(self._precision_metrics(done, window_steps, outcome))
@@ -472,6 +462,7 @@ class _Run:
             peak_memory_bytes=peak_memory_bytes(self.device),
             global_batch_size=self.plan.global_batch_size,
             device=str(self.device),
+            num_workers=self.num_workers,
             skipped_steps=int(self.progress["skipped_steps"]),
             nonfinite_steps=int(self.progress["nonfinite_steps"]),
             val_metrics=dict(self.val_metrics),
@@ -481,6 +472,19 @@ class _Run:
         if self.env.is_main:
             atomic_write_json(self.run_dir / "summary.json", result.summary())
         return result
+
+
+def _with_augmentation(task: Any) -> Any:
+    """The task's loss, applied to ``task.augment(batch)`` when the task has ``augment``."""
+    augment = getattr(task, "augment", None)
+    if not callable(augment):
+        return task.loss
+    loss = task.loss
+
+    def augmented_loss(model: nn.Module, batch: Any) -> Any:
+        return loss(model, augment(batch))
+
+    return augmented_loss
 
 
 def _process_device(device: torch.device, env: ClusterEnv) -> torch.device:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import PoisonedSteps, RegressionTask
+from tests.conftest import PoisonedSteps, RegressionTask, StreamedRegression
 
 
 def mean_task() -> RegressionTask:
@@ -55,3 +55,8 @@ def nan_on_rank1_at_step3() -> PoisonedSteps:
 def nan_in_second_half_of_step3() -> PoisonedSteps:
     """One process, micro-batch = half the global batch: what rank 1 computes above is loss call 6."""
     return PoisonedSteps({6})
+
+
+def unsized_stream_task() -> StreamedRegression:
+    """RegressionTask's data as a stream without __len__, in index order."""
+    return StreamedRegression(sized=False)

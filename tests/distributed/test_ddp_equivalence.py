@@ -40,3 +40,11 @@ def test_one_two_and_four_processes_give_the_same_parameters(tmp_path, task, qui
             )
     initial_run = train(tmp_path / "one-step", task, 1, 16, [*quiet_fit_flags, "--max-steps", "1"])
     assert any(float((initial_run[n] - reference[n]).abs().max()) > 1e-3 for n in reference)  # it trained
+
+
+def test_a_stream_split_over_two_processes_and_their_workers_trains_as_one_process(tmp_path, quiet_fit_flags):
+    """Each process reads the whole stream and keeps its share; --num-workers auto: 1 worker each here."""
+    one = train(tmp_path / "one", "mean_task", 1, 8, [*quiet_fit_flags, "--shuffle", "false"])
+    two = train(tmp_path / "two", "unsized_stream_task", 2, 4, [*quiet_fit_flags, "--num-workers", "auto"])
+    for name, tensor in one.items():
+        assert float((two[name] - tensor).abs().max()) <= 1e-10, name

@@ -165,6 +165,7 @@ FROZEN_FIT_FLAGS = {
     "--num-workers",
     "--pin-memory",
     "--prefetch-factor",
+    "--cache",
     "--device",
     "--strategy",
     "--seed",
@@ -216,3 +217,20 @@ def test_a_nan_loss_prints_one_line_naming_the_step_and_the_saved_state(tmp_path
     (line,) = done.stderr.strip().splitlines()
     assert "not finite at step 3" in line and "step-00000002.pt" in line
     assert (tmp_path / "x" / "checkpoints" / "step-00000002.pt").is_file()
+
+
+def test_cache_builds_once_then_fit_reads_it(tmp_path):
+    from leantrain.examples.digits import DigitsTask
+
+    items = f"{len(DigitsTask().train_data()):,}"
+    built = run("cache", "--example", "digits", "--out", "c", "--num-workers", "0", cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    assert f"c/train: {items} items" in built.stdout and "built in" in built.stdout
+    again = run("cache", "--example", "digits", "--out", "c", cwd=tmp_path)
+    assert "already complete" in again.stdout
+    done = run("fit", "--cache", "c", "--max-steps", "5", "--progress", "plain", "--out", "r", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"cache c/train: {items} train items" in done.stdout and ", read" in done.stdout
+    foreign = run("cache", "--example", "charlm", "--out", "c", cwd=tmp_path)
+    assert foreign.returncode == 2
+    assert foreign.stderr.startswith("leantrain: error: cache c/train holds other data")

@@ -13,10 +13,17 @@ def test_no_variables_is_a_single_process():
 
 def test_torchrun_variables():
     env = detect(
-        {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"}
-    )
+        {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+         "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"}
+    )  # fmt: skip
     assert env == ClusterEnv(
-        "torchrun", rank=3, local_rank=1, world_size=4, master_addr="10.0.0.5", master_port=1234
+        "torchrun",
+        rank=3,
+        local_rank=1,
+        world_size=4,
+        local_world_size=2,
+        master_addr="10.0.0.5",
+        master_port=1234,
     )
     assert env.distributed and not env.is_main
 
@@ -32,6 +39,16 @@ def test_slurm_variables_with_the_master_from_the_node_list():
     )
     assert (env.source, env.rank, env.local_rank, env.world_size) == ("slurm", 5, 1, 8)
     assert env.master_addr == "gpu07" and env.master_port == 29500
+    assert env.local_world_size == 1  # neither tasks-per-node variable is set
+
+
+@pytest.mark.parametrize(
+    ("variables", "local"),
+    [({"SLURM_NTASKS_PER_NODE": "4"}, 4), ({"SLURM_TASKS_PER_NODE": "2(x3),1"}, 2)],
+)
+def test_slurm_tasks_per_node(variables, local):
+    env = detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", **variables})
+    assert env.local_world_size == local
 
 
 def test_torchrun_takes_precedence_over_slurm():

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from leantrain.errors import DataError, TaskError
 from leantrain.runtime import derived_seed, seed_everything
@@ -68,14 +68,10 @@ class NamedItemErrors(Dataset):
 
 def check_map_style(dataset: Any, name: str) -> int:
     """The dataset's length; TaskError when it is not a sized map-style dataset."""
-    if isinstance(dataset, IterableDataset):
-        raise TaskError(
-            f"{name} is an IterableDataset; leantrain's global-batch sampler needs a map-style "
-            "dataset (with __len__ and __getitem__)"
-        )
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise TaskError(
-            f"{name} must be a Dataset with __len__ and __getitem__, got {type(dataset).__name__}"
+            f"{name} must be a map-style Dataset (with __len__ and __getitem__) or an IterableDataset, "
+            f"got {type(dataset).__name__}"
         )
     return len(dataset)
 

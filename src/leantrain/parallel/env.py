@@ -22,6 +22,7 @@ class ClusterEnv:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    local_world_size: int = 1  # processes on this node
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_MASTER_PORT
 
@@ -44,6 +45,7 @@ def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv:
             rank=_int(env, "RANK"),
             local_rank=_int(env, "LOCAL_RANK", 0),
             world_size=_int(env, "WORLD_SIZE"),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", 1),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
         )
@@ -54,6 +56,7 @@ def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv:
             rank=_int(env, "SLURM_PROCID"),
             local_rank=_int(env, "SLURM_LOCALID", 0),
             world_size=_int(env, "SLURM_NTASKS"),
+            local_world_size=_slurm_tasks_on_this_node(env),
             master_addr=env.get("MASTER_ADDR") or (first_host(nodes) if nodes else "127.0.0.1"),
             master_port=_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
         )
@@ -70,6 +73,14 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         return int(raw)
     except ValueError:
         raise LeantrainError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _slurm_tasks_on_this_node(env: Mapping[str, str]) -> int:
+    """SLURM_NTASKS_PER_NODE, else the first count of SLURM_TASKS_PER_NODE ("4(x2),3" -> 4)."""
+    if "SLURM_NTASKS_PER_NODE" in env:
+        return _int(env, "SLURM_NTASKS_PER_NODE")
+    match = re.match(r"(\d+)", env.get("SLURM_TASKS_PER_NODE", ""))
+    return int(match.group(1)) if match else 1
 
 
 def first_host(nodelist: str) -> str:

@@ -1,0 +1,153 @@
+"""The memory-mapped cache: exact round trip, interrupted builds, stale and foreign folders."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import leantrain as lt
+from leantrain.data.cache import MANIFEST, CacheError, build_cache, fingerprint, open_cache, prepare_cache
+from tests.conftest import RegressionTask
+
+
+class Records(Dataset):
+    """Items of every supported kind, nested: tensors, arrays, ints, floats, bools, tuples and dicts."""
+
+    def __init__(
+        self, size: int = 20, offset: int = 0, fail_at: int | None = None, ragged_at: int | None = None
+    ):
+        self.size, self.offset, self.fail_at, self.ragged_at = size, offset, fail_at, ragged_at
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        if index == self.fail_at:
+            raise ValueError("corrupt record")
+        value = index + self.offset
+        length = 4 if index != self.ragged_at else 5
+        return (
+            torch.arange(length, dtype=torch.float32) * value,
+            {
+                "label": value % 3,
+                "weight": value / 7,
+                "keep": value % 2 == 0,
+                "raw": np.full(2, value, np.int16),
+            },
+        )
+
+
+def assert_same_item(a, b):
+    assert torch.equal(a[0], b[0]) and a[0].dtype == b[0].dtype
+    assert a[1].keys() == b[1].keys()
+    for key in ("label", "weight", "keep"):
+        assert a[1][key] == b[1][key] and type(a[1][key]) is type(b[1][key])
+    assert np.array_equal(a[1]["raw"], b[1]["raw"]) and a[1]["raw"].dtype == b[1]["raw"].dtype
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_cache_returns_the_original_items(tmp_path, workers):
+    data = Records()
+    cached, built = prepare_cache(data, tmp_path / "c", "test:train", "train_data", workers)
+    assert built is not None and len(cached) == len(data)
+    for index in range(len(data)):
+        assert_same_item(cached[index], data[index])
+    for item, index in zip(cached.__getitems__([7, 3, 19]), [7, 3, 19], strict=True):
+        assert_same_item(item, data[index])
+    again, rebuilt = prepare_cache(data, tmp_path / "c", "test:train", "train_data")
+    assert rebuilt is None and len(again) == len(data)  # complete: read, not built again
+
+
+def test_an_interrupted_build_is_never_taken_for_a_complete_cache(tmp_path):
+    folder = tmp_path / "c"
+    broken = Records(fail_at=13)
+    with pytest.raises(lt.DataError, match="train_data item 13 failed"):
+        build_cache(broken, folder, fingerprint(Records(), "s"), "train_data")
+    assert (folder / "leaf0.npy").exists() and not (folder / MANIFEST).exists()
+    assert open_cache(folder, fingerprint(Records(), "s")) is None
+    cached, built = prepare_cache(Records(), folder, "s", "train_data")  # built again, from scratch
+    assert built is not None
+    assert_same_item(cached[13], Records()[13])
+
+
+def test_a_cache_of_other_data_is_refused_naming_the_folder(tmp_path):
+    folder = tmp_path / "c"
+    prepare_cache(Records(), folder, "test:train", "train_data")
+    with pytest.raises(CacheError, match=rf"cache {folder} holds other data \(items_sha256"):
+        prepare_cache(Records(offset=1), folder, "test:train", "train_data")
+    with pytest.raises(CacheError, match=r"holds other data \(source 'test:train' != 'other:train'\)"):
+        prepare_cache(Records(), folder, "other:train", "train_data")
+    with pytest.raises(CacheError, match="size 20 != 21"):
+        prepare_cache(Records(size=21), folder, "test:train", "train_data")
+
+
+def test_a_cache_of_another_format_or_an_unreadable_manifest_is_refused(tmp_path):
+    folder = tmp_path / "c"
+    prepare_cache(Records(), folder, "s", "train_data")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    (folder / MANIFEST).write_text(json.dumps({**manifest, "format": 99}))
+    with pytest.raises(CacheError, match="has format 99"):
+        prepare_cache(Records(), folder, "s", "train_data")
+    (folder / MANIFEST).write_text("{not json")
+    with pytest.raises(CacheError, match=r"cache\.json is unreadable"):
+        prepare_cache(Records(), folder, "s", "train_data")
+
+
+def test_a_folder_of_other_files_is_never_overwritten(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(CacheError, match="holds files that are not a leantrain cache"):
+        prepare_cache(Records(), tmp_path, "s", "train_data")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_items_of_different_shapes_name_the_item(tmp_path):
+    with pytest.raises(
+        lt.DataError, match=r"train_data item 6, field 0: float32 \(5,\) differs from item 0's"
+    ):
+        prepare_cache(Records(ragged_at=6), tmp_path / "c", "s", "train_data")
+
+
+def test_the_fingerprint_ignores_the_callers_random_state_and_restores_it():
+    class Noisy(Records):
+        def __getitem__(self, index):
+            item = super().__getitem__(index)
+            return (item[0] + torch.rand(4), item[1])
+
+    torch.manual_seed(5)
+    first = fingerprint(Noisy(), "s")
+    expected_next = torch.rand(1)
+    torch.manual_seed(5)
+    assert fingerprint(Noisy(), "s") == first
+    assert torch.equal(torch.rand(1), expected_next)
+
+
+class Augmented(RegressionTask):
+    """Adds noise to each training micro-batch on the device; counts the calls."""
+
+    calls = 0
+
+    def augment(self, batch):
+        self.calls += 1
+        x, y, mask = batch
+        return x + 0.01 * torch.randn_like(x), y, mask
+
+
+def test_fit_from_the_cache_trains_exactly_as_from_the_dataset(fit, tmp_path):
+    settings = dict(global_batch_size=16, micro_batch_size=8, max_steps=12)
+    reference = fit(Augmented(), **settings)
+    first = fit(Augmented(), cache=str(tmp_path / "cache"), **settings)  # builds it
+    second = fit(Augmented(), cache=str(tmp_path / "cache"), num_workers=2, **settings)  # reads it
+    assert (tmp_path / "cache" / "train" / MANIFEST).is_file()
+    for result in (first, second):
+        for name, value in reference.model.state_dict().items():
+            assert torch.equal(result.model.state_dict()[name], value), name
+
+
+def test_augment_runs_on_every_training_micro_batch(fit):
+    task = Augmented()
+    fit(task, global_batch_size=16, micro_batch_size=4, max_steps=3)
+    assert task.calls == 3 * 4

@@ -1,0 +1,127 @@
+"""Streams and map-style data: every sample once per epoch, the same order whatever the split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+import leantrain as lt
+from leantrain.batching import BatchPlan
+from leantrain.data.loader import build_loader
+from leantrain.data.sampler import GlobalBatchSampler
+from leantrain.data.stream import RankShard, StreamShard
+from tests.conftest import RegressionTask, StreamedRegression
+
+
+class Numbers(IterableDataset):
+    """Yields (sample id, epoch); ``set_epoch`` picks the epoch. Optionally sized."""
+
+    def __init__(self, count: int, sized: bool = True, fail_at: int | None = None) -> None:
+        self.count, self.sized, self.fail_at = count, sized, fail_at
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        for i in range(self.count):
+            if i == self.fail_at:
+                raise ValueError("corrupt record")
+            yield torch.tensor(i), torch.tensor(self.epoch)
+
+    def __len__(self):
+        if not self.sized:
+            raise TypeError("unsized")
+        return self.count
+
+
+def stream_batches(dataset, plan, steps, rank, workers, start_step=0):
+    shard = StreamShard(dataset, "train_data", plan, steps, rank, start_step)
+    return list(DataLoader(shard, batch_size=None, num_workers=workers))
+
+
+def map_batches(size, plan, steps, rank, workers, start_step=0):
+    ids = torch.arange(size)
+    sampler = GlobalBatchSampler(size, plan, steps, shuffle=False, rank=rank, start_step=start_step)
+    return list(build_loader(TensorDataset(ids), "train_data", batch_sampler=sampler, num_workers=workers))
+
+
+@pytest.mark.parametrize("kind", ["stream", "map"])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_every_sample_is_seen_once_per_epoch_whatever_the_split(kind, workers, ranks):
+    size, steps = 48, 6  # 2 epochs of 3 global batches of 16
+    plan = BatchPlan(global_batch_size=16, micro_batch_size=4, world_size=ranks)
+    seen: list[int] = []
+    for rank in range(ranks):
+        if kind == "stream":
+            batches = stream_batches(Numbers(size), plan, steps, rank, workers)
+            assert [int(e) for _, epochs in batches for e in epochs] == [0] * (size // ranks) + [1] * (
+                size // ranks
+            )
+        else:
+            batches = map_batches(size, plan, steps, rank, workers)
+        assert len(batches) == steps * plan.accumulation_steps
+        seen += [int(i) for batch in batches for i in batch[0]]
+    assert sorted(seen) == sorted(list(range(size)) * 2)  # each sample once per epoch, none lost
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_gives_the_same_micro_batches_as_map_style_data(workers):
+    plan = BatchPlan(global_batch_size=16, micro_batch_size=4, world_size=2)
+    for rank in range(2):
+        stream = [b[0].tolist() for b in stream_batches(Numbers(48), plan, 6, rank, workers)]
+        mapped = [b[0].tolist() for b in map_batches(48, plan, 6, rank, 0)]
+        assert stream == mapped
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_a_stream_resumes_at_its_step_with_or_without_a_length(sized):
+    plan = BatchPlan(global_batch_size=8, micro_batch_size=4)
+    whole = [b[0].tolist() for b in stream_batches(Numbers(40, sized), plan, 12, 0, 0)]
+    resumed = [b[0].tolist() for b in stream_batches(Numbers(40, sized), plan, 12, 0, 0, start_step=7)]
+    assert resumed == whole[7 * 2 :]
+
+
+def test_a_last_partial_global_batch_is_dropped_as_for_map_style_data():
+    plan = BatchPlan(global_batch_size=8, micro_batch_size=4)
+    batches = stream_batches(Numbers(20), plan, 4, 0, 0)  # 2 whole global batches per epoch, 4 left over
+    assert [b[0].tolist() for b in batches][4] == [0, 1, 2, 3]  # epoch 1 starts after sample 15
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_failing_stream_names_the_item_and_the_epoch(workers):
+    plan = BatchPlan(global_batch_size=8, micro_batch_size=4)
+    with pytest.raises(
+        lt.DataError, match="train_data item 13 of epoch 0 failed: ValueError: corrupt record"
+    ):
+        stream_batches(Numbers(40, fail_at=13), plan, 4, 0, workers)
+
+
+def test_a_stream_shorter_than_a_global_batch_is_an_error():
+    with pytest.raises(lt.DataError, match="fewer items than one global batch"):
+        stream_batches(Numbers(5), BatchPlan(global_batch_size=8, micro_batch_size=4), 2, 0, 0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_validation_shards_split_a_stream_between_ranks(workers):
+    seen = []
+    for rank in range(2):
+        loader = DataLoader(RankShard(Numbers(30), "val_data", rank, 2), batch_size=4, num_workers=workers)
+        seen += [int(i) for batch in loader for i in batch[0]]
+    assert sorted(seen) == list(range(30))
+
+
+@pytest.mark.parametrize(("sized", "workers"), [(True, 0), (False, 2)])
+def test_training_on_a_stream_equals_training_on_the_same_data_unshuffled(fit, sized, workers):
+    settings = dict(global_batch_size=16, micro_batch_size=8, max_steps=14)
+    reference = fit(RegressionTask(), shuffle=False, **settings)
+    streamed = fit(StreamedRegression(sized), num_workers=workers, **settings)
+    for name, value in reference.model.state_dict().items():
+        assert torch.equal(streamed.model.state_dict()[name], value), name
+
+
+def test_an_unsized_stream_needs_max_steps(fit):
+    with pytest.raises(lt.TaskError, match="IterableDataset without __len__: set max_steps"):
+        fit(StreamedRegression(sized=False), global_batch_size=16)

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+from torch.utils.data import Dataset
+
+from leantrain.data.loader import build_loader
+from leantrain.data.workers import (
+    MAX_AUTO_WORKERS,
+    auto_prefetch,
+    auto_workers,
+    available_cpus,
+    cgroup_cpu_quota,
+    tune_candidates,
+    tune_workers,
+)
+
+
+@pytest.mark.parametrize(
+    ("files", "quota"),
+    [
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu.max": "150000 100000\n"}, 1.5),
+        ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3.0),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),
+    ],
+)
+def test_the_cgroup_quota_is_read_from_v2_or_v1_files(tmp_path, files, quota):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpu_quota(tmp_path) == quota
+
+
+def test_a_quota_caps_the_cpus_of_the_affinity_mask(tmp_path):
+    (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a CPU: still one
+    assert available_cpus(tmp_path) == 1
+    assert available_cpus(tmp_path / "none") >= 1
+
+
+@pytest.mark.parametrize(
+    ("cpus", "processes", "workers"), [(8, 2, 4), (2, 4, 1), (2, 1, 2), (128, 1, MAX_AUTO_WORKERS)]
+)
+def test_auto_gives_each_process_its_share_of_the_cpus(cpus, processes, workers):
+    assert auto_workers(processes, cpus) == workers
+
+
+def test_auto_prefetch_keeps_two_steps_in_flight():
+    assert auto_prefetch(workers=2, accumulation_steps=4) == 4
+    assert auto_prefetch(workers=8, accumulation_steps=1) == 2
+
+
+def test_tune_candidates_go_up_to_twice_the_share():
+    assert tune_candidates(2, 1) == [0, 1, 2, 4]
+    assert tune_candidates(8, 4) == [0, 1, 2, 4]
+
+
+class Sleepy(Dataset):
+    """Each item waits 4 ms without using the CPU: more workers load proportionally faster."""
+
+    def __len__(self):
+        return 400
+
+    def __getitem__(self, index):
+        time.sleep(0.004)
+        return index
+
+
+def test_tune_measures_and_keeps_a_faster_count():
+    result = tune_workers(
+        lambda workers, batches: build_loader(Sleepy(), "d", batch_sampler=batches, num_workers=workers),
+        [list(range(i, i + 8)) for i in range(0, 400, 8)],
+        candidates=[0, 4],
+        batches_per_trial=6,
+    )
+    assert set(result.samples_per_second) == {0, 4}
+    assert result.workers == 4 and result.samples_per_second[4] > 2 * result.samples_per_second[0]
+    assert "4 is fastest" in result.report()
