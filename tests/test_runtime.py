@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -28,3 +31,12 @@ def test_deterministic_kernels_are_enabled_inside_and_restored_after():
 def test_peak_memory_on_cpu_is_at_least_a_large_allocation():
     big = torch.ones(64 * 1024 * 1024, dtype=torch.uint8)  # 64 MiB, touched
     assert peak_memory_bytes(torch.device("cpu")) >= big.numel()
+
+
+def test_peak_memory_of_a_child_is_its_own_not_its_parents():
+    """ru_maxrss of a child started by a large process reports the parent's peak; VmHWM does not."""
+    big = torch.ones(512 * 1024 * 1024, dtype=torch.uint8)  # the parent's peak: over 512 MiB
+    code = "import torch, leantrain.runtime as r; print(r.peak_memory_bytes(torch.device('cpu')))"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    del big
+    assert int(child.stdout) < 400 * 1024 * 1024

@@ -83,9 +83,21 @@ def matmul_reduction(allow_reduced: bool) -> Iterator[None]:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of the run: allocated bytes on CUDA, the process's peak resident set on CPU."""
+    """Peak memory of the run: allocated bytes on CUDA, the process's peak resident set on CPU.
+
+    On Linux the peak comes from ``VmHWM`` in ``/proc/self/status``: ``ru_maxrss`` of a
+    process started by a larger one (torchrun's agent) reports at least the parent's peak,
+    because Linux keeps the high-water mark across ``exec``.
+    """
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
 

@@ -140,7 +140,13 @@ class Trainer:
                         run.train(self.callbacks, signals)
                 finally:
                     run.logger.close()
-                return run.finish()
+                result = run.finish()
+            if created_group:
+                # Rank 0 writes the outputs while the others are done: a rank that tears its
+                # gloo connections down while a peer still uses them can abort at exit.
+                # Only on success: after an error on one rank, a barrier would wait forever.
+                dist.barrier()
+            return result
         finally:
             if created_group:
                 # DDP's wrapper sits in reference cycles; destroyed after its process group,

@@ -66,7 +66,7 @@ def test_cli_dry_run_prints_the_script_and_validates_fit_flags(tmp_path):
     bad = subprocess.run([LEANTRAIN, "slurm", "--dry-run", "true", "fit", "--out", "r", "--precision", "8"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        "leantrain: error: invalid precision='8': must be one of 32, bf16-mixed, 16-mixed"
+        "leantrain: error: invalid precision='8': must be one of 32, bf16-mixed, 16-mixed, bf16-true, 16-true"
     )
 
 

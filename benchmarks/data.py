@@ -1,0 +1,680 @@
+"""Training throughput of leantrain's data-loading options on the data-bound ``slowdata`` example.
+
+``slowdata`` spends about 2 ms of NumPy per item (12 random affine warps of a 48x48 image)
+on a model that needs microseconds per sample: the training speed is the loading speed.
+``leantrain.Trainer.fit`` trains it with each loader setting side by side:
+
+- ``num_workers=0`` (the baseline: what a default ``DataLoader`` does, loading in the main process),
+- ``num_workers="auto"`` (one worker per CPU this process may use),
+- ``num_workers="tune"`` (candidate counts timed on the first micro-batches; the fastest kept),
+- ``cache=DIR`` with ``num_workers=0`` and with ``"auto"``, DIR built once before the timed rounds
+  by ``leantrain cache --example slowdata --out DIR`` (its build is timed separately),
+- ``"auto"`` again with torch's default intra-op thread count in the main process (every other
+  row uses ``torch.set_num_threads(1)``),
+- ``num_workers=0`` a second time: the noise floor.
+
+An ``on_step`` callback stamps every optimizer step; a run's speed is the samples of the steps
+after a warm-up divided by the time they took (a mean rate over the window: workers hand out
+batches in bursts, so a median step gap would mislead). Start-up (model, loader, tune's trials,
+worker start, first batch) is reported apart. The same loaders are also iterated alone, without
+training, to separate loading speed from training. All rows run interleaved in one process,
+several rounds in a rotating order; medians over rounds, ratios to ``num_workers=0`` of the same
+round with their range. Each window also records the CPU time of this process and its worker
+processes and of the whole machine (``/proc/stat``): what other processes took is the first
+suspect when workers fall short of the core count.
+
+    python benchmarks/data.py            # full run (about 5 min on 2 cores); writes results/data.md
+    python benchmarks/data.py --quick    # smoke run (under a minute); prints the table only
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import leantrain as lt
+import leantrain.data.pipeline as pipeline
+from leantrain.batching import BatchPlan
+from leantrain.data.cache import prepare_cache, task_source
+from leantrain.data.loader import build_loader
+from leantrain.data.sampler import GlobalBatchSampler
+from leantrain.data.workers import (
+    auto_prefetch,
+    auto_workers,
+    available_cpus,
+    cgroup_cpu_quota,
+    tune_candidates,
+)
+from leantrain.examples.slowdata import SlowDataTask
+
+DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice, read before anything changes it
+THREADS = 1
+BATCH_SIZE = 32  # global batch, one micro-batch per step
+SEED = 0
+LOG_EVERY = 100_000  # more than the steps of a run: the only log point is the last step
+TARGET_AUTO, TARGET_CACHE = 1.8, 5.0  # the issue's targets, times num_workers=0's samples/s
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "data.md"
+# torch warns when a loader has more workers than it suggests for the machine; tune's choice can.
+WORKER_WARNING = "This DataLoader will create"
+
+BASELINE, NOISE_FLOOR = "num_workers=0", "num_workers=0, again"
+AUTO, TUNE = "num_workers=auto", "num_workers=tune"
+CACHE0, CACHE_AUTO = "cache, num_workers=0", "cache, num_workers=auto"
+AUTO_THREADS = f"num_workers=auto, {DEFAULT_THREADS} torch threads"
+LOAD0, LOAD_AUTO = "loader alone, num_workers=0", "loader alone, num_workers=auto"
+LOAD_CACHE0, LOAD_CACHE_AUTO = "loader alone, cache, num_workers=0", "loader alone, cache, num_workers=auto"
+
+
+@dataclass
+class Setting:
+    name: str
+    workers: int | str  # TrainConfig.num_workers
+    cache: bool = False
+    train: bool = True  # False: the DataLoader iterated alone
+    threads: int = THREADS  # torch.set_num_threads in the main process
+    # One entry per round:
+    rates: list[float] = field(default_factory=list)  # samples/s over the window after warm-up
+    fit_rates: list[float] = field(default_factory=list)  # FitResult.samples_per_second
+    startups: list[float] = field(default_factory=list)  # seconds from fit() to the first step
+    used: list[int] = field(default_factory=list)  # the worker count in force
+    cpu_ms: list[float] = field(default_factory=list)  # CPU ms per sample, this process + workers
+    main: list[float] = field(default_factory=list)  # cores used by this process alone
+    ours: list[float] = field(default_factory=list)  # cores used by this process + workers
+    others: list[float] = field(default_factory=list)  # cores used by every other process
+    tune_seconds: list[float] = field(default_factory=list)  # time in tune_workers
+    tune_rates: list[dict[int, float]] = field(default_factory=list)  # loader-alone rate by candidate
+
+
+def settings() -> list[Setting]:
+    return [
+        Setting(BASELINE, 0),
+        Setting(AUTO, "auto"),
+        Setting(TUNE, "tune"),
+        Setting(CACHE0, 0, cache=True),
+        Setting(CACHE_AUTO, "auto", cache=True),
+        Setting(AUTO_THREADS, "auto", threads=DEFAULT_THREADS),
+        Setting(LOAD0, 0, train=False),
+        Setting(LOAD_AUTO, "auto", train=False),
+        Setting(LOAD_CACHE0, 0, cache=True, train=False),
+        Setting(LOAD_CACHE_AUTO, "auto", cache=True, train=False),
+        # The baseline once more (an A/A test): its ratio is the noise floor of the machine.
+        Setting(NOISE_FLOOR, 0),
+    ]
+
+
+def min_tune_steps() -> int:
+    """Steps a tune run needs: its largest candidate's warm-up batches plus 8 timed ones.
+
+    With fewer micro-batches than its largest candidate count, tune fails with a bare
+    StopIteration (see the README); with fewer than that plus 8, the larger counts are timed
+    on fewer batches than the others.
+    """
+    return max(tune_candidates(available_cpus(), 1)) + 8
+
+
+def make_task() -> SlowDataTask:
+    """The slowdata example as the CLI builds it, with validation left out.
+
+    ``val_data`` is switched off on the instance, not in a subclass: a cache's fingerprint
+    names the task's class, so a subclass could not read the cache ``leantrain cache
+    --example slowdata`` builds.
+    """
+    task = SlowDataTask()
+    task.val_data = None  # type: ignore[method-assign,assignment]  # leantrain validates only if callable
+    return task
+
+
+# ---------------------------------------------------------------------------------------
+# CPU accounting (Linux /proc)
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    wall: float
+    main: float  # CPU seconds of this process (every thread)
+    ours: float  # the same plus its live child processes (the workers)
+    machine: float  # busy CPU seconds of the whole machine
+
+
+def machine_busy_seconds() -> float:
+    with open("/proc/stat") as stat:
+        values = [int(v) for v in stat.readline().split()[1:]]
+    idle = values[3] + values[4]  # idle, iowait
+    return (sum(values[:8]) - idle) / CLK_TCK  # user .. steal; guest time is inside user
+
+
+def child_cpu_seconds() -> float:
+    total = 0.0
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+    return total
+
+
+def snapshot() -> CpuSnapshot:
+    main = time.process_time()
+    return CpuSnapshot(time.perf_counter(), main, main + child_cpu_seconds(), machine_busy_seconds())
+
+
+class StepClock:
+    """leantrain callback: a stamp per step, CPU snapshots at the window's start and end."""
+
+    def __init__(self, steps: int, warmup: int) -> None:
+        self.steps, self.warmup = steps, warmup
+        self.stamps: list[float] = []
+        self.window: list[CpuSnapshot] = []
+
+    def on_step(self, stats: Any = None) -> None:
+        self.stamps.append(time.perf_counter())
+        if len(self.stamps) in (self.warmup + 1, self.steps):
+            self.window.append(snapshot())  # the workers are alive at both points
+
+
+@dataclass
+class Window:
+    rate: float  # samples/s
+    cpu_ms: float  # CPU ms per sample, ours
+    main: float  # cores, this process alone
+    ours: float  # cores, with the workers
+    others: float  # cores
+
+
+def window_of(clock: StepClock) -> Window:
+    if len(clock.stamps) != clock.steps or len(clock.window) != 2:
+        raise RuntimeError(f"ran {len(clock.stamps)} steps, expected {clock.steps}")
+    start, end = clock.window
+    seconds = end.wall - start.wall
+    samples = (clock.steps - clock.warmup - 1) * BATCH_SIZE
+    ours = end.ours - start.ours
+    machine = end.machine - start.machine
+    main = end.main - start.main
+    return Window(
+        samples / seconds,
+        ours / samples * 1e3,
+        main / seconds,
+        ours / seconds,
+        max(machine - ours, 0.0) / seconds,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# tune's own time: a pass-through wrapper around the function leantrain calls
+
+
+tune_log: list[tuple[float, Any]] = []
+_tune_workers = pipeline.tune_workers
+
+
+def timed_tune_workers(*args: Any, **kwargs: Any) -> Any:
+    started = time.perf_counter()
+    result = _tune_workers(*args, **kwargs)
+    tune_log.append((time.perf_counter() - started, result))
+    return result
+
+
+pipeline.tune_workers = timed_tune_workers
+
+
+# ---------------------------------------------------------------------------------------
+# Runs
+
+
+@dataclass
+class Outcome:
+    window: Window
+    startup: float
+    used: int
+    fit_rate: float | None = None
+    tune: tuple[float, Any] | None = None
+
+
+def train(task: SlowDataTask, setting: Setting, steps: int, warmup: int, cache: Path) -> Outcome:
+    clock = StepClock(steps, warmup)
+    tune_log.clear()
+    with tempfile.TemporaryDirectory(prefix="leantrain-data-bench-") as scratch:
+        config = lt.TrainConfig(
+            global_batch_size=BATCH_SIZE,
+            max_steps=steps,
+            seed=SEED,
+            device="cpu",
+            num_workers=setting.workers,  # type: ignore[arg-type]
+            cache=str(cache) if setting.cache else None,
+            out_dir=str(Path(scratch) / "run"),
+            log_every_n_steps=LOG_EVERY,
+            progress="none",
+            tensorboard=False,
+        )
+        started = time.perf_counter()
+        result = lt.Trainer(config, callbacks=[clock]).fit(task)
+    return Outcome(
+        window_of(clock),
+        clock.stamps[0] - started,
+        result.num_workers,
+        result.samples_per_second,
+        tune_log[-1] if tune_log else None,
+    )
+
+
+def load_alone(dataset: Any, setting: Setting, steps: int, warmup: int) -> Outcome:
+    """The loader fit builds (leantrain's sampler, item wrapper and prefetch), iterated without training."""
+    workers = auto_workers(1) if setting.workers == "auto" else int(setting.workers)
+    plan = BatchPlan(BATCH_SIZE, BATCH_SIZE, 1)
+    sampler = GlobalBatchSampler(len(dataset), plan, steps, seed=SEED)
+    prefetch = auto_prefetch(workers, plan.accumulation_steps) if workers else None
+    clock = StepClock(steps, warmup)
+    started = time.perf_counter()
+    loader = build_loader(
+        dataset, "train_data", batch_sampler=sampler, num_workers=workers, prefetch_factor=prefetch, seed=SEED
+    )
+    iterator = iter(loader)
+    for _ in iterator:
+        clock.on_step()
+    del iterator  # stops the workers
+    return Outcome(window_of(clock), clock.stamps[0] - started, workers)
+
+
+def run_once(
+    setting: Setting,
+    task: SlowDataTask,
+    datasets: dict[bool, Any],
+    args: argparse.Namespace,
+    cache: Path,
+    steps: int | None = None,
+) -> Outcome:
+    gc.collect()
+    torch.set_num_threads(setting.threads)
+    try:
+        full_steps, warmup = (args.cache_steps, args.cache_warmup) if setting.cache else (args.steps, args.warmup)
+        steps = steps or full_steps
+        warmup = min(warmup, steps - 2)
+        if setting.train:
+            return train(task, setting, steps, warmup, cache)
+        return load_alone(datasets[setting.cache], setting, steps, warmup)
+    finally:
+        torch.set_num_threads(THREADS)
+
+
+def measure(
+    timed: list[Setting], task: SlowDataTask, datasets: dict[bool, Any], args: argparse.Namespace, cache: Path
+) -> None:
+    # One short untimed run of each first: the process's first fit pays about a second of lazy
+    # initialisation, which would otherwise land in round 1's first row.
+    for setting in timed:
+        run_once(setting, task, datasets, args, cache, steps=min_tune_steps())
+    for round_index in range(args.rounds):
+        shift = round_index % len(timed)  # no row always first or last
+        for setting in timed[shift:] + timed[:shift]:
+            outcome = run_once(setting, task, datasets, args, cache)
+            setting.rates.append(outcome.window.rate)
+            setting.cpu_ms.append(outcome.window.cpu_ms)
+            setting.main.append(outcome.window.main)
+            setting.ours.append(outcome.window.ours)
+            setting.others.append(outcome.window.others)
+            setting.startups.append(outcome.startup)
+            setting.used.append(outcome.used)
+            if outcome.fit_rate is not None:
+                setting.fit_rates.append(outcome.fit_rate)
+            if outcome.tune is not None:
+                seconds, result = outcome.tune
+                setting.tune_seconds.append(seconds)
+                setting.tune_rates.append(dict(result.samples_per_second))
+            print(
+                f"round {round_index + 1}/{args.rounds}  {setting.name:<38} {outcome.window.rate:9,.0f} "
+                f"samples/s  {outcome.used} workers  start-up {outcome.startup:5.2f} s  "
+                f"others {outcome.window.others:4.2f} cores",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+# ---------------------------------------------------------------------------------------
+# The cache, built once by the CLI
+
+
+@dataclass
+class Build:
+    wall: float  # the `leantrain cache` command, interpreter start included
+    seconds: dict[str, float]  # build_seconds of each split, from its cache.json
+    mib: dict[str, float]
+    items: dict[str, int]
+    workers: int
+
+
+def build_cache(folder: Path) -> Build:
+    command = [sys.executable, "-m", "leantrain", "cache", "--example", "slowdata", "--out", str(folder)]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[1:])} failed:\n{done.stdout}\n{done.stderr}")
+    manifests = {split: json.loads((folder / split / "cache.json").read_text()) for split in ("train", "val")}
+    return Build(
+        wall,
+        {split: m["build_seconds"] for split, m in manifests.items()},
+        {split: m["bytes"] / 2**20 for split, m in manifests.items()},
+        {split: m["fingerprint"]["size"] for split, m in manifests.items()},
+        auto_workers(1),  # the CLI's --num-workers default is auto
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Report
+
+
+def load_now() -> str:
+    """The 1-minute load average: other work on the machine is the first suspect of noise."""
+    return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def ranged(values: Sequence[float], digits: int) -> str:
+    middle = statistics.median(values)
+    if len(values) == 1 or max(values) - min(values) < 0.5 * 10**-digits:
+        return f"{middle:,.{digits}f}"
+    return f"{middle:,.{digits}f} [{min(values):,.{digits}f} to {max(values):,.{digits}f}]"
+
+
+def counts(values: Sequence[int]) -> str:
+    """Worker counts over rounds: "2", or "4 (3x), 2 (2x)" when they differ."""
+    tally = {value: values.count(value) for value in sorted(set(values), key=values.count, reverse=True)}
+    if len(tally) == 1:
+        return str(values[0])
+    return ", ".join(f"{value} ({times}x)" for value, times in tally.items())
+
+
+def ratios(setting: Setting, base: Setting) -> list[float]:
+    return [mine / ref for mine, ref in zip(setting.rates, base.rates, strict=True)]
+
+
+def render(timed: list[Setting], build: Build, args: argparse.Namespace, load_before: str, minutes: float) -> str:
+    by_name = {s.name: s for s in timed}
+    base = by_name[BASELINE]
+    speed = {s.name: ratios(s, base) for s in timed}
+    quota = cgroup_cpu_quota()
+    lines = [
+        "# Data loading: worker counts and the cache on the data-bound `slowdata` example",
+        "",
+        f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.system()} {platform.machine()}, "
+        f"{cpu_model()}, {os.cpu_count()} CPU cores visible, {available_cpus()} available to this process "
+        f"(affinity mask{'' if quota is None else f', cgroup quota {quota:g}'}), Python "
+        f"{platform.python_version()}; load average before / after: {load_before} / {load_now()}; "
+        f"the full run took {minutes:.1f} min",
+        f"- Versions: torch {torch.__version__}, NumPy {np.__version__}, leantrain {lt.__version__}",
+        f"- Threads: `torch.set_num_threads({THREADS})` in the main process for every row but "
+        f'"{AUTO_THREADS}" (torch\'s default here, {DEFAULT_THREADS}); DataLoader workers always run '
+        "one torch thread (torch sets it in each worker)",
+        "- Work: the `slowdata` example as `leantrain fit --example slowdata` builds it (`SlowDataTask()`: "
+        "4,096 items, each a 48x48 float32 image warped by 12 random affine resamplings in NumPy, about "
+        "2 ms of CPU, and a label; AvgPool-Linear-ReLU-Linear model, AdamW), validation left out "
+        "(`val_data = None` on the instance); "
+        f"`leantrain.Trainer(TrainConfig(global_batch_size={BATCH_SIZE}, max_steps=..., seed={SEED}, "
+        f'device="cpu", num_workers=..., cache=..., log_every_n_steps={LOG_EVERY:_}, progress="none", '
+        "tensorboard=False, out_dir=<fresh temporary folder>)).fit(task)`; one micro-batch per step. "
+        f"{args.steps} steps per run without the cache, {args.cache_steps} with it (it is so fast that "
+        "a run of the same length would last a fraction of a second).",
+        f"- Cache: built once before the timed rounds by `leantrain cache --example slowdata --out DIR` "
+        f"(`--num-workers auto`: {build.workers} workers), "
+        f"{build.wall:.1f} s for the command (interpreter and imports included): train "
+        f"{build.items['train']:,} items, {build.mib['train']:.1f} MiB in {build.seconds['train']:.1f} s; val "
+        f"{build.items['val']:,} items, {build.mib['val']:.1f} MiB in {build.seconds['val']:.1f} s (from each "
+        "`cache.json`). Every cached run reads DIR/train; none rebuilds it.",
+        "- *Samples/s*: an `on_step` callback stamps `time.perf_counter()` after every step; the samples of "
+        f"the steps after the first {args.warmup} ({args.cache_warmup} with the cache) divided by the "
+        "time they took: a mean rate over the window, not a median step (workers hand out batches in "
+        "bursts). Median over rounds, range in brackets. *vs num_workers=0*: per round, the ratio to "
+        "`num_workers=0`'s samples/s in the same round; median and range. "
+        f'"{NOISE_FLOOR}" runs the baseline a second time: its ratio is the noise floor.',
+        "- *FitResult samples/s*: `FitResult.samples_per_second`, over the whole training loop, so it also "
+        "counts the first step's wait for the workers to start and the prefetch to fill. *Start-up*: "
+        "from calling `fit` to the first step's end (model, loader, worker start, first batch; for tune, "
+        "its trials too). *tune*: the time in `tune_workers` (a pass-through wrapper around the function "
+        "leantrain calls, `leantrain.data.pipeline.tune_workers`), which is before the first step and in "
+        "no samples/s figure. *Workers*: `FitResult.num_workers` (the count auto or tune chose).",
+        "- *Loader alone*: the loader `fit` builds (`build_loader` with leantrain's `GlobalBatchSampler`, "
+        "the same worker count and prefetch) iterated without training, timed the same way per batch.",
+        "- *CPU per sample*: CPU time of this process and its live worker processes over the window "
+        "(`time.process_time()` plus each worker's `/proc/PID/stat`), per sample. *Ours* / *others*: "
+        "cores busy over the window for this process tree, and for every other process on the machine "
+        "(`/proc/stat`'s busy time less ours).",
+        "",
+        "| Setting | Workers | Samples/s | vs num_workers=0 | FitResult samples/s | Start-up (s) "
+        "| CPU per sample (ms) | Cores: ours | Cores: others |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in timed:
+        fit_rate = ranged(s.fit_rates, 0) if s.fit_rates else "-"
+        startup = ranged(s.startups, 2)
+        if s.tune_seconds:
+            startup += f"; tune {ranged(s.tune_seconds, 2)}"
+        lines.append(
+            f"| {s.name} | {counts(s.used)} | {ranged(s.rates, 0)} | {ranged(speed[s.name], 2)} | {fit_rate} "
+            f"| {startup} | {ranged(s.cpu_ms, 3)} | {ranged(s.ours, 2)} | {ranged(s.others, 2)} |"
+        )
+    tune = by_name[TUNE]
+    if tune.tune_rates:
+        candidates = sorted({n for rates in tune.tune_rates for n in rates})
+        lines += [
+            "",
+            "tune's own trials (loader alone, samples/s by candidate worker count, median over rounds; the "
+            "count it keeps is the smallest within 5% of the fastest):",
+            "",
+            "| Candidate workers | " + " | ".join(str(n) for n in candidates) + " |",
+            "|---|" + "---:|" * len(candidates),
+            "| samples/s | "
+            + " | ".join(ranged([rates[n] for rates in tune.tune_rates if n in rates], 0) for n in candidates)
+            + " |",
+        ]
+    auto = statistics.median(speed[AUTO])
+    cache0, cache_auto = statistics.median(speed[CACHE0]), statistics.median(speed[CACHE_AUTO])
+    lines += [
+        "",
+        f"Targets (median ratio over rounds; noise floor {statistics.median(speed[NOISE_FLOOR]):.2f}): "
+        f"auto >= {TARGET_AUTO}x num_workers=0: {'met' if auto >= TARGET_AUTO else 'NOT met'}, "
+        f"{auto:.2f}x; cache >= {TARGET_CACHE:g}x: {'met' if cache0 >= TARGET_CACHE else 'NOT met'} with "
+        f"num_workers=0 ({cache0:.1f}x), {'met' if cache_auto >= TARGET_CACHE else 'NOT met'} with auto "
+        f"({cache_auto:.1f}x).",
+        "",
+        "## Reading the results",
+        "",
+        *interpretation(by_name, speed, build),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def interpretation(by_name: dict[str, Setting], speed: dict[str, list[float]], build: Build) -> list[str]:
+    """Sentences derived from this run's numbers, so that a re-run stays truthful."""
+
+    def rate(name: str) -> float:
+        return statistics.median(by_name[name].rates)
+
+    def ratio(name: str) -> float:
+        return statistics.median(speed[name])
+
+    def med(values: Sequence[float]) -> float:
+        return statistics.median(values)
+
+    base, auto = by_name[BASELINE], by_name[AUTO]
+    workers = statistics.mode(auto.used)
+    cores = available_cpus()
+    load_item_ms = med(by_name[LOAD0].cpu_ms)  # CPU per sample of loading alone, one process
+    train_ms = med(by_name[CACHE0].cpu_ms)  # training + reading the cache: the main process's share
+    ceiling = cores / (load_item_ms + train_ms) * 1e3  # every core busy, nothing else running
+    ceiling_ratio = ceiling / rate(BASELINE)
+    others = med(auto.others)
+    free = cores - others
+    lines = [
+        f"- The baseline is data-bound: with `num_workers=0`, {rate(BASELINE):,.0f} samples/s at "
+        f"{med(base.cpu_ms):.2f} ms of CPU per sample, while training from the cache (the same model, "
+        f"no augmentation to compute) takes {train_ms:.3f} ms per sample: "
+        f"{100 * train_ms / med(base.cpu_ms):.1f}% of the baseline's work is training.",
+        f"- Ceiling of worker processes on {cores} cores: loading costs {load_item_ms:.2f} ms of CPU per "
+        f"sample ({LOAD0}), training {train_ms:.3f} ms; with every core busy on this run's work alone, "
+        f"at most {cores} / {load_item_ms + train_ms:.2f} ms = {ceiling:,.0f} samples/s, "
+        f"{ceiling_ratio:.2f}x the baseline. The {TARGET_AUTO}x target needs "
+        f"{100 * TARGET_AUTO / ceiling_ratio:.0f}% of that ceiling: both cores for this run and almost "
+        "nothing lost to worker hand-offs.",
+        f"- auto chose {counts(auto.used)} worker(s) and reached {ratio(AUTO):.2f}x "
+        f"[{min(speed[AUTO]):.2f} to {max(speed[AUTO]):.2f}] ({rate(AUTO):,.0f} samples/s); the loader "
+        f"alone with the same workers, {ratio(LOAD_AUTO):.2f}x. Over its windows this process tree kept "
+        f"{med(auto.ours):.2f} cores busy, and other processes {others:.2f} cores: about "
+        f"{max(free, 0):.2f} of {cores} cores were left for this run. Its CPU per sample was "
+        f"{med(auto.cpu_ms):.2f} ms against {med(base.cpu_ms):.2f} ms in the main process: "
+        f"{100 * (med(auto.cpu_ms) / med(base.cpu_ms) - 1):+.0f}% for running in {workers} worker "
+        "processes (the hand-off of each batch through shared memory, two processes' caches on the "
+        "same cores, the main process polling the workers' queue).",
+    ]
+    if ratio(AUTO) < TARGET_AUTO:
+        lines.append(
+            f"- So the auto target is not met here, and cannot be on a machine where other processes "
+            f"take {others:.2f} of the {cores} cores: {workers} workers can use only the cores that are "
+            f"free. Scaled to the CPU this run got ({med(auto.ours):.2f} cores against "
+            f"{med(base.ours):.2f} for the baseline), auto's speed-up per core is "
+            f"{ratio(AUTO) / (med(auto.ours) / med(base.ours)):.2f}x. Re-run on a quiet machine (load "
+            "average near 0) before concluding that auto falls short on its own."
+        )
+    threads = by_name[AUTO_THREADS]
+    lines.append(
+        f"- The main process's intra-op threads: auto with torch's default {DEFAULT_THREADS} threads "
+        f"instead of 1 reached {ratio(AUTO_THREADS):.2f}x ({statistics.median(threads.cpu_ms):.2f} ms CPU "
+        f"per sample), against {ratio(AUTO):.2f}x with one thread. The model is tiny, so extra threads "
+        "have almost no work; differences within the noise floor mean nothing."
+    )
+    tune = by_name[TUNE]
+    tune_text = (
+        f"; its trials took {med(tune.tune_seconds):.1f} s [{min(tune.tune_seconds):.1f} to "
+        f"{max(tune.tune_seconds):.1f}] before training, out of a start-up of {med(tune.startups):.1f} s "
+        f"(auto's: {med(auto.startups):.2f} s)"
+        if tune.tune_seconds
+        else ""
+    )
+    lines.append(
+        f"- tune chose {counts(tune.used)} worker(s) and trained at {ratio(TUNE):.2f}x{tune_text}. "
+        "It times loading alone, with the main process idle, so it can pick more workers than cores "
+        "(its candidates go up to twice the CPU count) and then torch warns about oversubscription on "
+        "every run; on a data-bound run the extra workers only share the same cores. At "
+        f"{rate(TUNE):,.0f} samples/s its set-up equals "
+        f"{med(tune.tune_seconds) * rate(TUNE) / 1e3 if tune.tune_seconds else 0:,.1f} thousand samples of "
+        "training: worth it only on runs much longer than that."
+    )
+    build_seconds = build.seconds["train"]
+    saved_per_sample = 1 / rate(BASELINE) - 1 / rate(CACHE0)
+    lines.append(
+        f"- The cache: {ratio(CACHE0):.1f}x with `num_workers=0` ({rate(CACHE0):,.0f} samples/s), but "
+        f"{ratio(CACHE_AUTO):.1f}x with auto's {counts(by_name[CACHE_AUTO].used)} workers: once an item "
+        f"costs microseconds (the loader alone reads {rate(LOAD_CACHE0):,.0f} samples/s in the main process, "
+        f"{rate(LOAD_CACHE_AUTO):,.0f} through workers), handing each batch from a worker to the main "
+        "process costs more than reading it, so workers slow a cached run down. The build "
+        f"({build_seconds:.1f} s for the train split with {build.workers} workers, plus the val split) "
+        f"pays for itself after about {build_seconds / saved_per_sample / 1e3:,.1f} thousand samples "
+        f"({build_seconds / saved_per_sample / build.items['train']:.1f} epochs of this data) against "
+        "`num_workers=0`. A cache stores the items as they were loaded once: augmentation drawn at "
+        "random per epoch is frozen in it unless it moves to `Task.augment` (slowdata's items are "
+        "deterministic per index, so here the cache is exact)."
+    )
+    return lines
+
+
+# ---------------------------------------------------------------------------------------
+# Orchestration
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=120, help="steps per run without the cache (default 120)")
+    parser.add_argument(
+        "--cache-steps", type=int, default=1500, help="steps per run from the cache (default 1500)"
+    )
+    parser.add_argument("--warmup", type=int, default=10, help="first steps dropped (default 10)")
+    parser.add_argument(
+        "--cache-warmup", type=int, default=100, help="first steps dropped from the cache (default 100)"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of all rows (default 5)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 30 steps (300 from the cache), 2 rounds; writes only with --out",
+    )
+    parser.add_argument("--out", type=Path, default=None, help=f"Markdown output (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.cache_steps, args.warmup, args.cache_warmup, args.rounds = 30, 300, 5, 30, 2
+    # A smoke run must not overwrite the full results unless asked to.
+    if args.out is None and not args.quick:
+        args.out = DEFAULT_OUT
+    if args.steps <= args.warmup + 1 or args.cache_steps <= args.cache_warmup + 1:
+        parser.error("--steps must exceed --warmup + 1, and --cache-steps --cache-warmup + 1")
+    if args.steps < min_tune_steps():
+        parser.error(f"--steps must be at least {min_tune_steps()} here (num_workers=tune's trials)")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not Path("/proc/stat").exists():
+        raise SystemExit("data.py reads /proc for its CPU figures: Linux only")
+    started = time.perf_counter()
+    load_before = load_now()
+    torch.set_num_threads(THREADS)
+    warnings.filterwarnings("ignore", message=WORKER_WARNING)
+    task = make_task()
+    timed = settings()
+    with tempfile.TemporaryDirectory(prefix="leantrain-data-cache-") as scratch:
+        cache = Path(scratch) / "slowdata"
+        build = build_cache(cache)
+        print(f"cache built: {build.wall:.1f} s for the command, train split {build.seconds['train']:.1f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
+        # The cached dataset for the loader-alone rows, opened as fit opens it (the build is reused).
+        cached, rebuilt = prepare_cache(task.train_data(), cache / "train", task_source(task, "train"), "train_data")
+        if rebuilt is not None:
+            raise RuntimeError("the cache built by `leantrain cache` was rebuilt: its fingerprint differs")
+        datasets = {False: task.train_data(), True: cached}
+        measure(timed, task, datasets, args, cache)
+        del cached, datasets
+    minutes = (time.perf_counter() - started) / 60
+    table = render(timed, build, args, load_before, minutes)
+    print(table)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table)
+        print(f"written to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
