@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/ddp.py
 	$(PY) benchmarks/precision.py
+	$(PY) benchmarks/data.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -68,6 +68,7 @@ from leantrain.examples.slowdata import SlowDataTask
 DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice, read before anything changes it
 THREADS = 1
 BATCH_SIZE = 32  # global batch, one micro-batch per step
+FIELDS = 2  # a slowdata batch is (images, labels)
 SEED = 0
 LOG_EVERY = 100_000  # more than the steps of a run: the only log point is the last step
 TARGET_AUTO, TARGET_CACHE = 1.8, 5.0  # the issue's targets, times num_workers=0's samples/s
@@ -307,7 +308,9 @@ def run_once(
     gc.collect()
     torch.set_num_threads(setting.threads)
     try:
-        full_steps, warmup = (args.cache_steps, args.cache_warmup) if setting.cache else (args.steps, args.warmup)
+        full_steps, warmup = (
+            (args.cache_steps, args.cache_warmup) if setting.cache else (args.steps, args.warmup)
+        )
         steps = steps or full_steps
         warmup = min(warmup, steps - 2)
         if setting.train:
@@ -420,7 +423,9 @@ def ratios(setting: Setting, base: Setting) -> list[float]:
     return [mine / ref for mine, ref in zip(setting.rates, base.rates, strict=True)]
 
 
-def render(timed: list[Setting], build: Build, args: argparse.Namespace, load_before: str, minutes: float) -> str:
+def render(
+    timed: list[Setting], build: Build, args: argparse.Namespace, load_before: str, minutes: float
+) -> str:
     by_name = {s.name: s for s in timed}
     base = by_name[BASELINE]
     speed = {s.name: ratios(s, base) for s in timed}
@@ -449,9 +454,9 @@ def render(timed: list[Setting], build: Build, args: argparse.Namespace, load_be
         f"- Cache: built once before the timed rounds by `leantrain cache --example slowdata --out DIR` "
         f"(`--num-workers auto`: {build.workers} workers), "
         f"{build.wall:.1f} s for the command (interpreter and imports included): train "
-        f"{build.items['train']:,} items, {build.mib['train']:.1f} MiB in {build.seconds['train']:.1f} s; val "
-        f"{build.items['val']:,} items, {build.mib['val']:.1f} MiB in {build.seconds['val']:.1f} s (from each "
-        "`cache.json`). Every cached run reads DIR/train; none rebuilds it.",
+        f"{build.items['train']:,} items, {build.mib['train']:.1f} MiB in {build.seconds['train']:.1f} s; "
+        f"val {build.items['val']:,} items, {build.mib['val']:.1f} MiB in {build.seconds['val']:.1f} s "
+        "(from each `cache.json`). Every cached run reads DIR/train; none rebuilds it.",
         "- *Samples/s*: an `on_step` callback stamps `time.perf_counter()` after every step; the samples of "
         f"the steps after the first {args.warmup} ({args.cache_warmup} with the cache) divided by the "
         "time they took: a mean rate over the window, not a median step (workers hand out batches in "
@@ -467,46 +472,53 @@ def render(timed: list[Setting], build: Build, args: argparse.Namespace, load_be
         "- *Loader alone*: the loader `fit` builds (`build_loader` with leantrain's `GlobalBatchSampler`, "
         "the same worker count and prefetch) iterated without training, timed the same way per batch.",
         "- *CPU per sample*: CPU time of this process and its live worker processes over the window "
-        "(`time.process_time()` plus each worker's `/proc/PID/stat`), per sample. *Ours* / *others*: "
-        "cores busy over the window for this process tree, and for every other process on the machine "
-        "(`/proc/stat`'s busy time less ours).",
+        "(`time.process_time()` plus each worker's `/proc/PID/stat`), per sample. *Cores*: CPU time over "
+        "the window divided by its length, for this process alone (*main*), with its workers (*ours*), "
+        "and for every other process on the machine (*others*: `/proc/stat`'s busy time less ours).",
         "",
         "| Setting | Workers | Samples/s | vs num_workers=0 | FitResult samples/s | Start-up (s) "
-        "| CPU per sample (ms) | Cores: ours | Cores: others |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| CPU per sample (ms) | Cores: main | Cores: ours | Cores: others |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in timed:
         fit_rate = ranged(s.fit_rates, 0) if s.fit_rates else "-"
         startup = ranged(s.startups, 2)
         if s.tune_seconds:
-            startup += f"; tune {ranged(s.tune_seconds, 2)}"
+            startup += f"; in tune: {ranged(s.tune_seconds, 2)}"
         lines.append(
             f"| {s.name} | {counts(s.used)} | {ranged(s.rates, 0)} | {ranged(speed[s.name], 2)} | {fit_rate} "
-            f"| {startup} | {ranged(s.cpu_ms, 3)} | {ranged(s.ours, 2)} | {ranged(s.others, 2)} |"
+            f"| {startup} | {ranged(s.cpu_ms, 3)} | {ranged(s.main, 2)} | {ranged(s.ours, 2)} "
+            f"| {ranged(s.others, 2)} |"
         )
     tune = by_name[TUNE]
     if tune.tune_rates:
         candidates = sorted({n for rates in tune.tune_rates for n in rates})
+
+        def trial(n: int, scale: float) -> str:
+            return ranged([rates[n] * scale for rates in tune.tune_rates if n in rates], 0)
+
         lines += [
             "",
-            "tune's own trials (loader alone, samples/s by candidate worker count, median over rounds; the "
-            "count it keeps is the smallest within 5% of the fastest):",
+            "tune's own trials (the loader alone, by candidate worker count, median over rounds; it keeps "
+            "the smallest count within 5% of the fastest). *As logged*: `TuneResult.samples_per_second`, "
+            f"which counts `len(batch)`, the {FIELDS} fields of a collated (images, labels) batch, not its "
+            f"{BATCH_SIZE} samples (a bug, see the README); *samples/s*: the same times {BATCH_SIZE} / "
+            f"{FIELDS}.",
             "",
             "| Candidate workers | " + " | ".join(str(n) for n in candidates) + " |",
             "|---|" + "---:|" * len(candidates),
-            "| samples/s | "
-            + " | ".join(ranged([rates[n] for rates in tune.tune_rates if n in rates], 0) for n in candidates)
-            + " |",
+            "| as logged | " + " | ".join(trial(n, 1) for n in candidates) + " |",
+            "| samples/s | " + " | ".join(trial(n, BATCH_SIZE / FIELDS) for n in candidates) + " |",
         ]
     auto = statistics.median(speed[AUTO])
     cache0, cache_auto = statistics.median(speed[CACHE0]), statistics.median(speed[CACHE_AUTO])
     lines += [
         "",
         f"Targets (median ratio over rounds; noise floor {statistics.median(speed[NOISE_FLOOR]):.2f}): "
-        f"auto >= {TARGET_AUTO}x num_workers=0: {'met' if auto >= TARGET_AUTO else 'NOT met'}, "
-        f"{auto:.2f}x; cache >= {TARGET_CACHE:g}x: {'met' if cache0 >= TARGET_CACHE else 'NOT met'} with "
-        f"num_workers=0 ({cache0:.1f}x), {'met' if cache_auto >= TARGET_CACHE else 'NOT met'} with auto "
-        f"({cache_auto:.1f}x).",
+        f"auto >= {TARGET_AUTO}x num_workers=0: **{'met' if auto >= TARGET_AUTO else 'NOT met'}**, "
+        f"{auto:.2f}x [{min(speed[AUTO]):.2f} to {max(speed[AUTO]):.2f}]; cache >= {TARGET_CACHE:g}x: "
+        f"**{'met' if cache0 >= TARGET_CACHE else 'NOT met'}** with num_workers=0, {cache0:.1f}x; "
+        f"{'met' if cache_auto >= TARGET_CACHE else 'NOT met'} with auto, {cache_auto:.1f}x.",
         "",
         "## Reading the results",
         "",
@@ -518,92 +530,115 @@ def render(timed: list[Setting], build: Build, args: argparse.Namespace, load_be
 def interpretation(by_name: dict[str, Setting], speed: dict[str, list[float]], build: Build) -> list[str]:
     """Sentences derived from this run's numbers, so that a re-run stays truthful."""
 
-    def rate(name: str) -> float:
-        return statistics.median(by_name[name].rates)
-
-    def ratio(name: str) -> float:
-        return statistics.median(speed[name])
-
     def med(values: Sequence[float]) -> float:
         return statistics.median(values)
 
-    base, auto = by_name[BASELINE], by_name[AUTO]
-    workers = statistics.mode(auto.used)
+    def rate(name: str) -> float:
+        return med(by_name[name].rates)
+
+    def ratio(name: str) -> float:
+        return med(speed[name])
+
+    noise = max(abs(ratio(NOISE_FLOOR) - 1), 0.02) + max(speed[NOISE_FLOOR]) - min(speed[NOISE_FLOOR])
+    base, auto, tune, threads = by_name[BASELINE], by_name[AUTO], by_name[TUNE], by_name[AUTO_THREADS]
     cores = available_cpus()
-    load_item_ms = med(by_name[LOAD0].cpu_ms)  # CPU per sample of loading alone, one process
+    load_ms = med(by_name[LOAD0].cpu_ms)  # CPU per sample of loading alone, in one process
     train_ms = med(by_name[CACHE0].cpu_ms)  # training + reading the cache: the main process's share
-    ceiling = cores / (load_item_ms + train_ms) * 1e3  # every core busy, nothing else running
+    ceiling = cores / (load_ms + train_ms) * 1e3  # every core busy, nothing else running
     ceiling_ratio = ceiling / rate(BASELINE)
     others = med(auto.others)
-    free = cores - others
     lines = [
-        f"- The baseline is data-bound: with `num_workers=0`, {rate(BASELINE):,.0f} samples/s at "
-        f"{med(base.cpu_ms):.2f} ms of CPU per sample, while training from the cache (the same model, "
-        f"no augmentation to compute) takes {train_ms:.3f} ms per sample: "
-        f"{100 * train_ms / med(base.cpu_ms):.1f}% of the baseline's work is training.",
-        f"- Ceiling of worker processes on {cores} cores: loading costs {load_item_ms:.2f} ms of CPU per "
-        f"sample ({LOAD0}), training {train_ms:.3f} ms; with every core busy on this run's work alone, "
-        f"at most {cores} / {load_item_ms + train_ms:.2f} ms = {ceiling:,.0f} samples/s, "
-        f"{ceiling_ratio:.2f}x the baseline. The {TARGET_AUTO}x target needs "
-        f"{100 * TARGET_AUTO / ceiling_ratio:.0f}% of that ceiling: both cores for this run and almost "
-        "nothing lost to worker hand-offs.",
-        f"- auto chose {counts(auto.used)} worker(s) and reached {ratio(AUTO):.2f}x "
-        f"[{min(speed[AUTO]):.2f} to {max(speed[AUTO]):.2f}] ({rate(AUTO):,.0f} samples/s); the loader "
-        f"alone with the same workers, {ratio(LOAD_AUTO):.2f}x. Over its windows this process tree kept "
-        f"{med(auto.ours):.2f} cores busy, and other processes {others:.2f} cores: about "
-        f"{max(free, 0):.2f} of {cores} cores were left for this run. Its CPU per sample was "
-        f"{med(auto.cpu_ms):.2f} ms against {med(base.cpu_ms):.2f} ms in the main process: "
-        f"{100 * (med(auto.cpu_ms) / med(base.cpu_ms) - 1):+.0f}% for running in {workers} worker "
-        "processes (the hand-off of each batch through shared memory, two processes' caches on the "
-        "same cores, the main process polling the workers' queue).",
+        f"- The baseline is data-bound: `num_workers=0` trains {rate(BASELINE):,.0f} samples/s at "
+        f"{med(base.cpu_ms):.2f} ms of CPU per sample, of which training (measured from the cache: the "
+        f"same model, nothing to compute per item) is {train_ms:.3f} ms, "
+        f"{100 * train_ms / med(base.cpu_ms):.0f}%. "
+        f"The loader alone with 0 workers reads {rate(LOAD0):,.0f} samples/s.",
+        f"- Ceiling on {cores} cores: loading costs {load_ms:.2f} ms of CPU per sample, training "
+        f"{train_ms:.3f} ms; with every core on this run's work and nothing lost in hand-offs, at most "
+        f"{cores} / {load_ms + train_ms:.2f} ms = {ceiling:,.0f} samples/s, {ceiling_ratio:.2f}x the "
+        f"baseline. The {TARGET_AUTO}x target asks for {100 * TARGET_AUTO / ceiling_ratio:.0f}% of that "
+        "ceiling: little room for other load on the machine or for the cost of worker processes.",
+        f"- auto chose {counts(auto.used)} worker(s) and trained at {ratio(AUTO):.2f}x "
+        f"[{min(speed[AUTO]):.2f} to {max(speed[AUTO]):.2f}] ({rate(AUTO):,.0f} samples/s, "
+        f"{100 * rate(AUTO) / ceiling:.0f}% of the ceiling); the loader alone with the same workers read "
+        f"{ratio(LOAD_AUTO):.2f}x. Over auto's windows this process and its workers kept "
+        f"{med(auto.ours):.2f} cores busy (the main process {med(auto.main):.2f}), other processes "
+        f"{others:.2f}. CPU per sample: {med(auto.cpu_ms):.2f} ms against {med(base.cpu_ms):.2f} ms with "
+        "`num_workers=0` "
+        f"({100 * (med(auto.cpu_ms) / med(base.cpu_ms) - 1):+.0f}%: what handing batches over from worker "
+        "processes adds, within the noise of this figure when small).",
     ]
     if ratio(AUTO) < TARGET_AUTO:
+        per_core = ratio(AUTO) / (med(auto.ours) / med(base.ours))
         lines.append(
-            f"- So the auto target is not met here, and cannot be on a machine where other processes "
-            f"take {others:.2f} of the {cores} cores: {workers} workers can use only the cores that are "
-            f"free. Scaled to the CPU this run got ({med(auto.ours):.2f} cores against "
-            f"{med(base.ours):.2f} for the baseline), auto's speed-up per core is "
-            f"{ratio(AUTO) / (med(auto.ours) / med(base.ours)):.2f}x. Re-run on a quiet machine (load "
-            "average near 0) before concluding that auto falls short on its own."
+            f"- auto misses the target in this run. Other processes took {others:.2f} of the {cores} cores "
+            f"during auto's windows: the workers can only use what is free. Per core of CPU this run got "
+            f"({med(auto.ours):.2f} against {med(base.ours):.2f} for the baseline), auto's speed-up is "
+            f"{per_core:.2f}x. On a quiet machine (load average near 0, *Cores: others* near 0) the "
+            "ceiling above is what to compare with."
         )
-    threads = by_name[AUTO_THREADS]
+    thread_gap = ratio(AUTO) - ratio(AUTO_THREADS)
+    if thread_gap > noise:
+        thread_text = (
+            f"costs {100 * (1 - ratio(AUTO_THREADS) / ratio(AUTO)):.0f}% of auto's speed: the main "
+            f"process kept {med(threads.main):.2f} cores busy against {med(auto.main):.2f} with one thread, "
+            "for the same tiny model. That is OpenMP's spin-wait: after each parallel region torch's "
+            "extra intra-op thread keeps spinning for a while instead of sleeping, on the cores the "
+            "workers need (a separate test with `OMP_WAIT_POLICY=passive` removed the loss, see "
+            "benchmarks/README.md). With workers loading on every core, the main process should run one "
+            "thread (`torch.set_num_threads(1)`, or `OMP_WAIT_POLICY=passive`)"
+        )
+    else:
+        thread_text = (
+            f"makes no difference beyond the noise ({ratio(AUTO_THREADS):.2f}x against {ratio(AUTO):.2f}x; "
+            f"main process {med(threads.main):.2f} cores against {med(auto.main):.2f})"
+        )
     lines.append(
-        f"- The main process's intra-op threads: auto with torch's default {DEFAULT_THREADS} threads "
-        f"instead of 1 reached {ratio(AUTO_THREADS):.2f}x ({statistics.median(threads.cpu_ms):.2f} ms CPU "
-        f"per sample), against {ratio(AUTO):.2f}x with one thread. The model is tiny, so extra threads "
-        "have almost no work; differences within the noise floor mean nothing."
+        f"- torch's default {DEFAULT_THREADS} intra-op threads in the main process instead of 1, with auto's "
+        f"workers: {thread_text}."
     )
-    tune = by_name[TUNE]
-    tune_text = (
-        f"; its trials took {med(tune.tune_seconds):.1f} s [{min(tune.tune_seconds):.1f} to "
-        f"{max(tune.tune_seconds):.1f}] before training, out of a start-up of {med(tune.startups):.1f} s "
-        f"(auto's: {med(auto.startups):.2f} s)"
-        if tune.tune_seconds
-        else ""
+    more = max(tune.used) > cores
+    tune_seconds = med(tune.tune_seconds) if tune.tune_seconds else 0.0
+    paired = [t / a for t, a in zip(tune.rates, auto.rates, strict=True)]
+    versus = (
+        f"{'faster' if med(paired) > 1 else 'slower'} than auto by {100 * abs(med(paired) - 1):.0f}% "
+        f"(per round {min(paired):.2f} to {max(paired):.2f}x auto)"
+        if abs(med(paired) - 1) > noise
+        else f"as fast as auto within the noise ({med(paired):.2f}x auto)"
     )
     lines.append(
-        f"- tune chose {counts(tune.used)} worker(s) and trained at {ratio(TUNE):.2f}x{tune_text}. "
-        "It times loading alone, with the main process idle, so it can pick more workers than cores "
-        "(its candidates go up to twice the CPU count) and then torch warns about oversubscription on "
-        "every run; on a data-bound run the extra workers only share the same cores. At "
-        f"{rate(TUNE):,.0f} samples/s its set-up equals "
-        f"{med(tune.tune_seconds) * rate(TUNE) / 1e3 if tune.tune_seconds else 0:,.1f} thousand samples of "
-        "training: worth it only on runs much longer than that."
+        f"- tune chose {counts(tune.used)} worker(s) and trained at {ratio(TUNE):.2f}x "
+        f"[{min(speed[TUNE]):.2f} to {max(speed[TUNE]):.2f}], {versus}. Its trials took "
+        f"{tune_seconds:.1f} s before the first step (start-up {med(tune.startups):.1f} s against "
+        f"auto's {med(auto.startups):.2f} s): at "
+        f"{rate(TUNE):,.0f} samples/s that is {tune_seconds * rate(TUNE):,.0f} samples of training, paid "
+        "once per run (and again on every resume). "
+        + (
+            f"It picked more workers than the {cores} cores: it times loading alone, with the main process "
+            "idle, and its candidates go up to twice the CPU count; torch then warns about the worker "
+            "count on every such run (silenced in this script)."
+            if more
+            else ""
+        )
     )
     build_seconds = build.seconds["train"]
     saved_per_sample = 1 / rate(BASELINE) - 1 / rate(CACHE0)
     lines.append(
-        f"- The cache: {ratio(CACHE0):.1f}x with `num_workers=0` ({rate(CACHE0):,.0f} samples/s), but "
-        f"{ratio(CACHE_AUTO):.1f}x with auto's {counts(by_name[CACHE_AUTO].used)} workers: once an item "
+        f"- The cache: {ratio(CACHE0):.1f}x with `num_workers=0` ({rate(CACHE0):,.0f} samples/s), "
+        f"{ratio(CACHE_AUTO):.1f}x with auto's {counts(by_name[CACHE_AUTO].used)} workers. Once an item "
         f"costs microseconds (the loader alone reads {rate(LOAD_CACHE0):,.0f} samples/s in the main process, "
         f"{rate(LOAD_CACHE_AUTO):,.0f} through workers), handing each batch from a worker to the main "
-        "process costs more than reading it, so workers slow a cached run down. The build "
-        f"({build_seconds:.1f} s for the train split with {build.workers} workers, plus the val split) "
-        f"pays for itself after about {build_seconds / saved_per_sample / 1e3:,.1f} thousand samples "
-        f"({build_seconds / saved_per_sample / build.items['train']:.1f} epochs of this data) against "
-        "`num_workers=0`. A cache stores the items as they were loaded once: augmentation drawn at "
-        "random per epoch is frozen in it unless it moves to `Task.augment` (slowdata's items are "
-        "deterministic per index, so here the cache is exact)."
+        + (
+            "process costs more than reading it: with a cache, `num_workers=0` is the faster choice here. "
+            if rate(CACHE_AUTO) < rate(CACHE0)
+            else "process costs about as much as reading it. "
+        )
+        + "The train split's build "
+        f"({build_seconds:.1f} s with {build.workers} workers) pays for itself against `num_workers=0` "
+        f"after about {build_seconds / saved_per_sample:,.0f} samples "
+        f"({build_seconds / saved_per_sample / build.items['train']:.1f} epochs of this data). A cache "
+        "stores the items as loaded once: augmentation drawn at random per epoch is frozen in it unless it "
+        "moves to `Task.augment` (slowdata's items are deterministic per index, so here the cache is exact)."
     )
     return lines
 
@@ -614,7 +649,9 @@ def interpretation(by_name: dict[str, Setting], speed: dict[str, list[float]], b
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=120, help="steps per run without the cache (default 120)")
+    parser.add_argument(
+        "--steps", type=int, default=120, help="steps per run without the cache (default 120)"
+    )
     parser.add_argument(
         "--cache-steps", type=int, default=1500, help="steps per run from the cache (default 1500)"
     )
@@ -626,12 +663,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run: 30 steps (300 from the cache), 2 rounds; writes only with --out",
+        help="smoke run: 24 steps (240 from the cache), 2 rounds; writes only with --out",
     )
     parser.add_argument("--out", type=Path, default=None, help=f"Markdown output (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.cache_steps, args.warmup, args.cache_warmup, args.rounds = 30, 300, 5, 30, 2
+        args.steps, args.cache_steps, args.warmup, args.cache_warmup, args.rounds = 24, 240, 4, 24, 2
     # A smoke run must not overwrite the full results unless asked to.
     if args.out is None and not args.quick:
         args.out = DEFAULT_OUT
@@ -660,7 +697,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cache built: {build.wall:.1f} s for the command, train split {build.seconds['train']:.1f} s",
               file=sys.stderr, flush=True)  # fmt: skip
         # The cached dataset for the loader-alone rows, opened as fit opens it (the build is reused).
-        cached, rebuilt = prepare_cache(task.train_data(), cache / "train", task_source(task, "train"), "train_data")
+        cached, rebuilt = prepare_cache(
+            task.train_data(), cache / "train", task_source(task, "train"), "train_data"
+        )
         if rebuilt is not None:
             raise RuntimeError("the cache built by `leantrain cache` was rebuilt: its fingerprint differs")
         datasets = {False: task.train_data(), True: cached}

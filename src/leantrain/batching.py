@@ -14,6 +14,7 @@ sees the gradient of the loss over the whole global batch, exactly, whatever the
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -128,17 +129,18 @@ class Accumulator:
                 term = self._backward_term(loss, micro, counts, step_index, tracker)
                 losses.append(term.detach())
                 self.precision.backward(term)
-        # Whether every micro-batch's loss is finite, on every rank (a device flag).
-        finite = (losses[0] if len(losses) == 1 else torch.stack(losses)).isfinite().all()
+        # The step's loss terms summed over micro-batches and ranks: finite if and only if
+        # every one is (NaN and inf propagate through sums). Still on the device.
+        total = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
         if counts:
-            finite = self._divide_by_global_count(counts, finite)
+            total = self._divide_by_global_count(counts, total)
         elif self.plan.world_size > 1:
-            finite = self.all_reduce_sum((~finite).double()) == 0
+            total = self.all_reduce_sum(total.double())
         underflow = None
         if inspect_grads and self.precision.loss_scale() is not None:
             underflow = _underflow_share(self.params)
         report = self.precision.unscale_and_clip(self.params, self.max_grad_norm)
-        status = self._check_finite(finite, report)
+        status = self._check_finite(total, report)
         if status is StepStatus.STEPPED:
             self.precision.step(optimizer)
         else:
@@ -146,26 +148,26 @@ class Accumulator:
         self.precision.zero_grad(optimizer)
         return StepOutcome(status, report.norm, underflow)
 
-    def _check_finite(self, finite: torch.Tensor, report: GradReport) -> StepStatus:
+    def _check_finite(self, total: torch.Tensor, report: GradReport) -> StepStatus:
         """Whether this step may update the weights: the one host read of a step.
 
         The decision must come before the update (a NaN update cannot be undone without
-        a copy of the weights and the optimizer state), so it needs the flags on the host.
-        It is the same on every rank: ``finite`` already covers every rank's losses, and
-        the gradient flags come from gradients that are already reduced.
+        a copy of the weights and the optimizer state), so it needs values on the host:
+        the step's summed loss and, when there is one, the gradient norm or the fp16
+        overflow flag, read together. Every rank decides the same: ``total`` is already
+        summed over the ranks, and the gradient values come from reduced gradients.
+        Reading the values and testing them in Python is cheaper than a device-side
+        ``isfinite`` (a composite of several kernels).
         """
-        grad_bad = report.overflow
-        if grad_bad is None and report.norm is not None:
-            grad_bad = ~report.norm.isfinite()
-        if grad_bad is None:
-            return StepStatus.STEPPED if finite.item() else StepStatus.NONFINITE_LOSS  # the host read
-        flags = torch.stack([(~finite).reshape(()), grad_bad.reshape(()) != 0])
-        loss_bad, overflowed = flags.tolist()  # the host read
-        if loss_bad:
+        grad_value = report.overflow if report.overflow is not None else report.norm
+        if grad_value is None:
+            return StepStatus.STEPPED if math.isfinite(total.item()) else StepStatus.NONFINITE_LOSS
+        loss, grads = torch.stack([total.float().reshape(()), grad_value.float().reshape(())]).tolist()
+        if not math.isfinite(loss):
             return StepStatus.NONFINITE_LOSS
-        if overflowed:
-            return StepStatus.OVERFLOW if report.overflow is not None else StepStatus.NONFINITE_GRADIENT
-        return StepStatus.STEPPED
+        if report.overflow is not None:
+            return StepStatus.OVERFLOW if grads else StepStatus.STEPPED
+        return StepStatus.STEPPED if math.isfinite(grads) else StepStatus.NONFINITE_GRADIENT
 
     def _backward_term(
         self,
@@ -190,25 +192,24 @@ class Accumulator:
         # as a hand-written loop.
         return loss if self.mean_loss_weight == 1 else loss * self.mean_loss_weight
 
-    def _divide_by_global_count(self, counts: list[torch.Tensor | int], finite: torch.Tensor) -> torch.Tensor:
-        """Scale the gradients by ``world / global count``; returns ``finite`` for all ranks.
+    def _divide_by_global_count(self, counts: list[torch.Tensor | int], total: torch.Tensor) -> torch.Tensor:
+        """Scale the gradients by ``world / global count``; returns the loss ``total`` of all ranks.
 
-        In several processes the counts and the loss flags travel in one all-reduce.
+        In several processes the counts and the loss totals travel in one all-reduce.
         """
         grads = [p.grad for p in self.params if p.grad is not None]
         local = sum(counts)
         if isinstance(local, int) and self.plan.world_size == 1:
             factor: torch.Tensor | float = 1.0 / max(local, 1)
         else:
-            device = grads[0].device if grads else finite.device
+            device = grads[0].device if grads else total.device
             local_count = torch.as_tensor(local, dtype=torch.float64, device=device)
-            total, bad = self.all_reduce_sum(torch.stack([local_count, (~finite).double().to(device)]))
+            count, total = self.all_reduce_sum(torch.stack([local_count, total.double().to(device)]))
             # Data-parallel averaging divides by world; multiplying by it restores the sum.
-            factor = self.plan.world_size / total.clamp(min=1)
-            finite = bad == 0
+            factor = self.plan.world_size / count.clamp(min=1)
         if grads:
             torch._foreach_mul_(grads, factor)
-        return finite
+        return total
 
 
 # fp16's smallest normal value: below it, values lose precision, and below 2**-24 they are 0.
