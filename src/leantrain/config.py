@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from leantrain.errors import ConfigError
+from leantrain.memory.checkpointing import CheckpointPolicy
 
 Precision = Literal["32", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 NanPolicy = Literal["stop", "skip"]
@@ -28,6 +29,7 @@ GROUPS = {
     "batch": "Batch and schedule: the global batch defines the math",
     "optimization": "Optimization",
     "precision": "Precision",
+    "memory": "Memory",
     "data": "Data loading",
     "parallel": "Devices and parallelism",
     "reproducibility": "Reproducibility",
@@ -75,6 +77,13 @@ class TrainConfig:
     )
     reduced_precision_reduction: bool = _field(
         False, "precision", "on CUDA, let 16-bit matmuls accumulate in 16-bit (faster, less exact)"
+    )
+    # memory
+    activation_checkpointing: str | None = _field(
+        None,
+        "memory",
+        "recompute these blocks' activations in backward instead of keeping them: module class names "
+        "(Block), optionally every:N (every N-th of them); every:N alone: the model's repeated blocks",
     )
     # data
     num_workers: int | WorkerChoice = _field(
@@ -135,6 +144,8 @@ class TrainConfig:
             if value is not None and not check(value):
                 raise ConfigError(name, value, allowed)
         self._validate_batch(world_size)
+        if self.activation_checkpointing is not None:
+            CheckpointPolicy.parse(self.activation_checkpointing)  # raises a ConfigError naming the field
         if self.cache is not None and not self.cache.strip():
             raise ConfigError("cache", self.cache, "must be a folder path")
         if self.prefetch_factor is not None and self.num_workers == 0:

@@ -42,6 +42,7 @@ from leantrain.evaluation import evaluate
 from leantrain.files import atomic_write_json
 from leantrain.log.metrics import LossTracker
 from leantrain.log.run_logger import RunLogger
+from leantrain.memory.checkpointing import CheckpointPolicy, apply_activation_checkpointing
 from leantrain.parallel.apply import init_process_group, parallelize, resolve_strategy
 from leantrain.parallel.env import ClusterEnv, detect
 from leantrain.precision import make_precision
@@ -176,6 +177,10 @@ class _Run:
         self.precision = make_precision(cfg.precision, device)
         # Before any wrapper: true 16-bit converts the model; the optimizer gets the fp32 masters.
         optimizer_params = self.precision.prepare(self.model)
+        self.checkpointed: list[str] = []
+        if cfg.activation_checkpointing is not None:
+            policy = CheckpointPolicy.parse(cfg.activation_checkpointing)
+            self.checkpointed = apply_activation_checkpointing(self.model, policy)
         self.parallel = parallelize(self.model, strategy, device)
         if env.distributed:
             # Every rank drew the same initial weights above (DDP also broadcasts rank 0's).
@@ -233,6 +238,9 @@ class _Run:
             f"x {env.world_size} process(es), strategy {strategy}, precision {self.precision.name}, "
             f"on {device}, into {run_dir}{resumed}"
         )
+        if self.checkpointed:
+            shown = ", ".join(self.checkpointed[:4]) + (", ..." if len(self.checkpointed) > 4 else "")
+            self.logger.message(f"activation checkpointing: {len(self.checkpointed)} blocks ({shown})")
         for note in self.data.notes:
             self.logger.message(note)
 

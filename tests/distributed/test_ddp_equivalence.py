@@ -48,3 +48,12 @@ def test_a_stream_split_over_two_processes_and_their_workers_trains_as_one_proce
     two = train(tmp_path / "two", "unsized_stream_task", 2, 4, [*quiet_fit_flags, "--num-workers", "auto"])
     for name, tensor in one.items():
         assert float((two[name] - tensor).abs().max()) <= 1e-10, name
+
+
+def test_activation_checkpointing_under_ddp_trains_as_one_process_without_it(tmp_path, quiet_fit_flags):
+    one = train(tmp_path / "one", "mean_task", 1, 16, quiet_fit_flags)
+    two = train(
+        tmp_path / "two", "mean_task", 2, 4, [*quiet_fit_flags, "--activation-checkpointing", "Linear"]
+    )
+    for name, tensor in one.items():
+        assert float((two[name] - tensor).abs().max()) <= 1e-10, name

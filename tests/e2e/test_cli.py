@@ -162,6 +162,7 @@ FROZEN_FIT_FLAGS = {
     "--precision",
     "--on-nan",
     "--reduced-precision-reduction",
+    "--activation-checkpointing",
     "--num-workers",
     "--pin-memory",
     "--prefetch-factor",

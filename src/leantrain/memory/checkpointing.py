@@ -1,0 +1,124 @@
+"""Activation checkpointing (recomputation): keep a block's input, recompute its inside in backward.
+
+A checkpointed block saves only its input for backward; the activations inside it are
+recomputed during backward from that input. Saved-activation memory then scales with the
+number of blocks instead of the number of layers inside them, for about one extra forward
+of the checkpointed blocks.
+
+``--activation-checkpointing`` takes comma-separated terms:
+
+* class names (``Block``): every module of that class;
+* ``every:N``: only every N-th of the matching modules (the 1st, the N+1-th, ...);
+* nothing else given with ``every:N``: the model's repeated blocks (see :func:`block_classes`).
+
+Recomputation uses ``torch.utils.checkpoint`` in its non-reentrant form, which supports
+keyword arguments, composes with autocast and DDP, and restores the RNG state before
+recomputing, so dropout masks are the same in both passes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from leantrain.errors import ConfigError
+
+_EVERY = re.compile(r"every:(\d+)")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    classes: tuple[str, ...] = ()  # empty: the model's repeated blocks
+    every: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> CheckpointPolicy:
+        """``"Block"``, ``"Block,every:2"``, ``"every:3"``; ConfigError naming the field otherwise."""
+        classes, every = [], 1
+        for term in (t.strip() for t in text.split(",")):
+            match = _EVERY.fullmatch(term)
+            if match and int(match.group(1)) >= 1:
+                every = int(match.group(1))
+            elif _NAME.fullmatch(term):
+                classes.append(term)
+            else:
+                raise ConfigError(
+                    "activation_checkpointing",
+                    text,
+                    "comma-separated module class names and every:N (N >= 1), e.g. Block or Block,every:2",
+                )
+        return cls(tuple(classes), every)
+
+
+def block_classes(model: nn.Module) -> tuple[str, ...]:
+    """The class of the model's repeated blocks.
+
+    Candidates are classes with at least two instances side by side in a ``ModuleList`` or
+    ``Sequential``; composite modules (with submodules of their own) beat leaf layers, then
+    the outermost wins: in a GPT, ``Block`` rather than the two ``Linear`` of its MLP.
+    """
+    depth_of = {module: name.count(".") + bool(name) for name, module in model.named_modules()}
+    candidates: dict[str, tuple[bool, int]] = {}
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            kinds = Counter(type(child).__name__ for child in module.children())
+            for child in module.children():
+                kind = type(child).__name__
+                if kinds[kind] >= 2:
+                    leaf = next(child.children(), None) is None
+                    key = (leaf, depth_of[child])
+                    candidates[kind] = min(candidates.get(kind, key), key)
+    if not candidates:
+        return ()
+    return (min(candidates, key=lambda kind: candidates[kind]),)
+
+
+def matching_blocks(model: nn.Module, policy: CheckpointPolicy) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the modules the policy checkpoints, in the order of ``named_modules``."""
+    classes = policy.classes or block_classes(model)
+    if not classes:
+        raise ConfigError(
+            "activation_checkpointing",
+            f"every:{policy.every}",
+            "needs module class names: this model has no ModuleList or Sequential of repeated blocks",
+        )
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [name for name in classes if name not in present]
+    if missing:
+        raise ConfigError(
+            "activation_checkpointing",
+            ",".join(classes),
+            f"the model has no module of class {', '.join(missing)}; "
+            f"its classes: {', '.join(sorted(present))}",
+        )
+    found = [(name, m) for name, m in model.named_modules() if type(m).__name__ in classes]
+    # A match inside another match would be recomputed twice: keep the outermost only.
+    outer = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found if o != n)]
+    return outer[:: policy.every]
+
+
+class _Recomputed:
+    """A module's forward, run under non-reentrant checkpointing while the module trains."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.forward = module.forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.module.training:  # evaluation keeps no activations: nothing to save
+            return self.forward(*args, **kwargs)
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: CheckpointPolicy) -> list[str]:
+    """Checkpoint the blocks the policy names (before any wrapper); returns their names."""
+    blocks = matching_blocks(model, policy)
+    for _, module in blocks:
+        module.forward = _Recomputed(module)  # type: ignore[method-assign]
+    return [name for name, _ in blocks]
