@@ -1,4 +1,4 @@
-"""The ``leantrain`` command: ``fit``, ``launch``, ``slurm``, ``examples``, ``export`` and ``cache``.
+"""The ``leantrain`` command: ``fit``, ``plan``, ``cache``, ``launch``, ``slurm``, ``examples``, ``export``.
 
 Every :class:`TrainConfig` field is a hyphenated ``fit`` flag and a key of the YAML file
 given with ``--config``; the flags are generated from the dataclass, grouped as its
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import typing
 from collections.abc import Sequence
@@ -27,6 +28,8 @@ from leantrain.data.cache import prepare_cache, task_source
 from leantrain.data.workers import auto_workers
 from leantrain.errors import ConfigError, LeantrainError, RunInterrupted, TaskError
 from leantrain.examples import DEFAULT_EXAMPLE, EXAMPLES, load_example
+from leantrain.memory.accountant import format_bytes, parse_bytes
+from leantrain.memory.plan import DEFAULT_MARGIN, RECOMPUTE_PAYS, Plan, plan_memory
 from leantrain.parallel.env import detect
 from leantrain.parallel.launch import LaunchOptions, launch
 from leantrain.parallel.slurm import SlurmOptions, sbatch_script, submit
@@ -90,9 +93,81 @@ def build_parser() -> ArgumentParser:
     export.add_argument("out", help="the .safetensors file to write (or a folder: OUT/model.safetensors)")
     commands.add_subcommand("export", export, help="turn a checkpoint into safetensors weights")
     commands.add_subcommand(
+        "plan", _plan_parser(), help="memory of a run per micro-batch size, without a GPU"
+    )
+    commands.add_subcommand(
         "cache", _cache_parser(), help="preprocess a task's data once into a memory-mapped cache"
     )
     return parser
+
+
+def _plan_parser() -> ArgumentParser:
+    parser = _fit_parser()
+    parser.description = (
+        "Measure the memory of a run on a model built on the meta device (no memory, no accelerator): "
+        "parameters, gradients, optimizer state and saved activations per micro-batch size."
+    )
+    plan = parser.add_argument_group("Plan")
+    plan.add_argument(
+        "--memory-budget", default=None, help="device memory, e.g. 24GiB or 16GB: recommend what fits"
+    )
+    plan.add_argument(
+        "--safety-margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        help="share of the budget kept free (0.1: 10%%)",
+    )
+    plan.add_argument("--json", type=bool, default=False, help="print one JSON object instead of a table")
+    return parser
+
+
+def run_plan(values: dict[str, Any], console: Console) -> Plan:
+    budget_text, margin, as_json = (
+        values.pop("memory_budget"),
+        values.pop("safety_margin"),
+        values.pop("json"),
+    )
+    budget = None if budget_text is None else parse_bytes(budget_text)
+    if budget_text is not None and not budget:
+        raise ConfigError("memory_budget", budget_text, "must be a size such as 24GiB, 16GB or 512MiB")
+    if not 0 <= margin < 1:
+        raise ConfigError("safety_margin", margin, "must be at least 0 and below 1")
+    cfg = config_from_args(values)
+    task, _ = resolve_task(values.get("task"), values.get("example"))
+    plan = plan_memory(task, cfg, budget=budget, margin=margin)
+    if as_json:
+        print(json.dumps(plan.as_dict()))
+    else:
+        # Wider than the 80 columns rich assumes for a pipe: the table has eight columns.
+        Console(width=max(console.width, 110)).print(_plan_table(plan))
+    return plan
+
+
+def _plan_table(plan: Plan) -> Table:
+    budget = "" if plan.budget is None else f", budget {format_bytes(plan.budget)} less {plan.margin:.0%}"
+    table = Table(title=f"memory per step, precision {plan.precision}{budget}")
+    columns = ("micro", "recompute", "params", "grads", "optimizer", "activations", "total", "fits")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "recompute" else "right", no_wrap=True)
+    for row in plan.rows:
+        m = row.memory
+        sizes = [
+            format_bytes(v) for v in (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.activation_bytes)
+        ]
+        fits = "" if row.fits is None else "yes" if row.fits else "no"
+        marker = " *" if row is plan.recommended else ""
+        table.add_row(
+            str(row.micro_batch_size), row.activation_checkpointing or "-", *sizes,
+            format_bytes(m.total_bytes), fits + marker,
+        )  # fmt: skip
+    if plan.recommended is not None:
+        table.caption = (
+            f"* recommended: the largest micro-batch that fits; with recomputation when that fits one "
+            f"{RECOMPUTE_PAYS}x larger"
+        )
+    elif plan.budget is not None:
+        table.caption = "nothing fits: use 16-bit precision, or shard the model"
+    return table
 
 
 def _cache_parser() -> ArgumentParser:
@@ -264,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(script, end="")
             else:
                 console.print(f"submitted SLURM job {submit(script)}")
+        elif namespace.command == "plan":
+            run_plan(namespace.plan.as_dict(), console)
         elif namespace.command == "cache":
             run_cache(namespace.cache.as_dict(), console)
         elif namespace.command == "export":

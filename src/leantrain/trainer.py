@@ -42,6 +42,7 @@ from leantrain.evaluation import evaluate
 from leantrain.files import atomic_write_json
 from leantrain.log.metrics import LossTracker
 from leantrain.log.run_logger import RunLogger
+from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, breakdown
 from leantrain.memory.checkpointing import CheckpointPolicy, apply_activation_checkpointing
 from leantrain.parallel.apply import init_process_group, parallelize, resolve_strategy
 from leantrain.parallel.env import ClusterEnv, detect
@@ -101,6 +102,10 @@ class FitResult:
     num_workers: int = 0  # the DataLoader workers used (as resolved from auto / tune)
     skipped_steps: int = 0  # steps without an update: fp16 overflows and, with on_nan=skip, non-finite ones
     nonfinite_steps: int = 0  # of those, the steps whose loss or gradient was NaN/inf
+    params_bytes: int = 0  # parameters (and fp32 masters); see memory/accountant.py
+    grads_bytes: int = 0
+    optimizer_bytes: int = 0
+    activation_bytes: int = 0  # saved for backward by one micro-batch, measured at the first step
     val_metrics: dict[str, float] = field(default_factory=dict)
     out_dir: Path | None = None
     model: nn.Module | None = field(default=None, repr=False)
@@ -176,7 +181,8 @@ class _Run:
         self.model = _build_model(task, device)  # unwrapped: state dicts and weights
         self.precision = make_precision(cfg.precision, device)
         # Before any wrapper: true 16-bit converts the model; the optimizer gets the fp32 masters.
-        optimizer_params = self.precision.prepare(self.model)
+        self.optimizer_params = optimizer_params = self.precision.prepare(self.model)
+        self.memory: MemoryBreakdown | None = None
         self.checkpointed: list[str] = []
         if cfg.activation_checkpointing is not None:
             policy = CheckpointPolicy.parse(cfg.activation_checkpointing)
@@ -252,12 +258,18 @@ class _Run:
         if self._saved_rng is not None:
             restore_rng(self._saved_rng)  # last, after everything that draws random numbers at set-up
         step_hooks = [callback.on_step for callback in callbacks if hasattr(callback, "on_step")]
+        # The first step's first micro-batch counts what autograd saves (see memory/accountant.py).
+        saved = SavedActivations(self.model.parameters())
+        measured_loss = _measured_once(loss_fn, saved)
         window_started = time.perf_counter()
         window_first_step = self.start_step
         for step in range(self.start_step, self.total_steps):
             done = step + 1
             log_due = done % cfg.log_every_n_steps == 0 or done == self.total_steps
-            outcome = self.accumulator.step(model, optimizer, loss_fn, batches, step, self.tracker, log_due)
+            step_loss = measured_loss if step == self.start_step else loss_fn
+            outcome = self.accumulator.step(model, optimizer, step_loss, batches, step, self.tracker, log_due)
+            if step == self.start_step:
+                self._account_memory(saved.bytes)
             if not outcome.stepped:
                 self._skipped(step, outcome.status)
             elif self.scheduler is not None:
@@ -280,6 +292,13 @@ class _Run:
                     raise RunInterrupted(received.name, int(received), done, str(path))
         if self.val_loader is not None:
             self._validate(self.total_steps, callbacks)
+
+    def _account_memory(self, activation_bytes: int) -> None:
+        """Log what the memory is spent on, once, after the first step (the optimizer state exists)."""
+        model_ids = {id(p) for p in self.model.parameters()}
+        masters = [p for p in self.optimizer_params if id(p) not in model_ids]
+        self.memory = breakdown(self.model, masters, self.optimizer_params, self.optimizer, activation_bytes)
+        self.logger.message(self.memory.describe())
 
     def _skipped(self, step: int, status: StepStatus) -> None:
         """Count a step that made no update; apply the NaN policy to a non-finite one."""
@@ -479,6 +498,7 @@ class _Run:
             num_workers=self.num_workers,
             skipped_steps=int(self.progress["skipped_steps"]),
             nonfinite_steps=int(self.progress["nonfinite_steps"]),
+            **(self.memory.as_dict() if self.memory is not None else {}),
             val_metrics=dict(self.val_metrics),
             out_dir=self.run_dir,
             model=self.model,
@@ -486,6 +506,21 @@ class _Run:
         if self.env.is_main:
             atomic_write_json(self.run_dir / "summary.json", result.summary())
         return result
+
+
+def _measured_once(loss_fn: Any, saved: SavedActivations) -> Any:
+    """``loss_fn``, counting saved activations on its first call only."""
+    calls = 0
+
+    def measured(model: nn.Module, batch: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            return loss_fn(model, batch)
+        with saved:
+            return loss_fn(model, batch)
+
+    return measured
 
 
 def _with_augmentation(task: Any) -> Any:

@@ -1,0 +1,142 @@
+"""What memory is spent on: parameters, gradients, optimizer state, saved activations.
+
+Everything here counts tensors, so it works on any device, including ``meta`` and fake
+tensors (which is how ``leantrain plan`` measures a model that was never allocated). A
+tensor is counted once however many views of it exist: a view is counted as its base.
+
+* parameters: the model's, plus the fp32 master copies of the true 16-bit modes;
+* gradients: one per trainable parameter the optimizer updates, in that parameter's dtype
+  (the masters' fp32 in the true modes, when the 16-bit gradients have been freed);
+* optimizer state: every tensor the optimizer keeps (after its first step);
+* activations: the tensors autograd saves for backward during one forward, parameters
+  excluded (autocast's 16-bit copies of weights are included: they are held too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    while tensor._base is not None:
+        tensor = tensor._base
+    return tensor
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct tensors among ``tensors`` (views count as their base, once)."""
+    roots = {id(root): root for root in map(_root, tensors)}
+    return sum(t.numel() * t.element_size() for t in roots.values())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return tensor_bytes(
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    )
+
+
+def gradient_bytes(optimizer_params: Iterable[torch.Tensor]) -> int:
+    """The gradients of the trainable parameters the optimizer updates."""
+    return tensor_bytes(p for p in optimizer_params if p.requires_grad)
+
+
+class SavedActivations:
+    """Counts the bytes autograd saves for backward inside the block (parameters excluded).
+
+    ``with SavedActivations(model.parameters()) as saved: loss = f(model, batch)``; then
+    ``saved.bytes``. The tensors are only referenced while the block runs.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._exclude = {id(_root(t)) for t in exclude}
+        self._seen: dict[int, torch.Tensor] = {}
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        root = _root(tensor)
+        if id(root) not in self._exclude:
+            self._seen[id(root)] = root
+        return tensor
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._hooks.__exit__(kind, error, tb)
+        self.bytes = tensor_bytes(self._seen.values())
+        self._seen = {}
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # saved for backward by one micro-batch
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activation_bytes
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        parts = ", ".join(
+            f"{name.removesuffix('_bytes')} {format_bytes(value)}" for name, value in asdict(self).items()
+        )
+        return f"memory: {parts}; total {format_bytes(self.total_bytes)}"
+
+
+def breakdown(
+    model: torch.nn.Module,
+    extra_params: Iterable[torch.Tensor],
+    optimizer_params: Iterable[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    activation_bytes: int,
+) -> MemoryBreakdown:
+    """The breakdown of a model whose optimizer has stepped; ``extra_params``: master copies."""
+    return MemoryBreakdown(
+        params_bytes=tensor_bytes([*model.parameters(), *extra_params]),
+        grads_bytes=gradient_bytes(optimizer_params),
+        optimizer_bytes=optimizer_state_bytes(optimizer),
+        activation_bytes=activation_bytes,
+    )
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: Any) -> int | None:
+    """``"24GiB"``, ``"16 GB"``, ``"512MiB"``, ``1000`` -> bytes; None when unreadable."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    if not isinstance(text, str):
+        return None
+    number = text.strip().lower().rstrip()
+    unit = number.lstrip("0123456789. ")
+    value = number[: len(number) - len(unit)].strip()
+    try:
+        amount = float(value)
+    except ValueError:
+        return None
+    factor = _UNITS.get(unit.strip())
+    return None if factor is None or amount < 0 else int(amount * factor)
+
+
+def format_bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{value:,.1f} GiB"
