@@ -100,6 +100,6 @@ def test_coerce_converts_text_and_yaml_scalars(field, raw, expected):
 
 
 def test_type_descriptions_for_help_and_errors():
-    assert describe_type(HINTS["micro_batch_size"]) == "an integer or null"
-    assert metavar(HINTS["micro_batch_size"]) == "INT|null"
+    assert describe_type(HINTS["micro_batch_size"]) == "an integer, auto or null"
+    assert metavar(HINTS["micro_batch_size"]) == "INT|{auto}|null"
     assert metavar(HINTS["precision"]) == "{32,bf16-mixed,16-mixed,bf16-true,16-true}"

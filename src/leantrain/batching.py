@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from leantrain.config import TrainConfig
-from leantrain.errors import TaskError
+from leantrain.errors import LeantrainError, TaskError
 from leantrain.log.metrics import LossTracker
 from leantrain.precision import GradReport, Precision
 from leantrain.task import LossSum
@@ -45,9 +45,19 @@ class BatchPlan:
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, world_size: int = 1) -> BatchPlan:
+        """The configured split; ``micro_batch_size`` auto starts from the whole per-process batch."""
         cfg.validate(world_size)
         per_rank = cfg.global_batch_size // world_size
-        return cls(cfg.global_batch_size, cfg.micro_batch_size or per_rank, world_size)
+        micro = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else per_rank
+        return cls(cfg.global_batch_size, micro, world_size)
+
+    def with_micro_batch(self, micro_batch_size: int) -> BatchPlan:
+        return BatchPlan(self.global_batch_size, micro_batch_size, self.world_size)
+
+    def micro_batch_choices(self) -> list[int]:
+        """Every micro-batch size that splits the per-process batch evenly, smallest first."""
+        per_rank = self.per_rank_batch_size
+        return [size for size in range(1, per_rank + 1) if per_rank % size == 0]
 
     @property
     def per_rank_batch_size(self) -> int:
@@ -63,6 +73,11 @@ class StepStatus(enum.Enum):
     OVERFLOW = "overflow"  # fp16 gradients overflowed the loss scale: skipped, scale lowered
     NONFINITE_LOSS = "non-finite loss"  # the loss was NaN/inf on some micro-batch of some rank
     NONFINITE_GRADIENT = "non-finite gradient"  # finite loss, NaN/inf gradient norm (clipping on)
+    OUT_OF_MEMORY = "out of memory"  # on some rank; nothing was updated, the step is to be retried
+
+
+class _PeerOutOfMemory(Exception):
+    """Another rank ran out of memory in this step."""
 
 
 class StepOutcome(NamedTuple):
@@ -94,13 +109,19 @@ class Accumulator:
         max_grad_norm: float | None = None,
         no_sync: Callable[[], AbstractContextManager[Any]] = nullcontext,
         all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        agree_on_oom: Callable[[bool], bool] | None = None,
     ) -> None:
+        """``agree_on_oom(ran_out) -> any rank ran out`` turns out-of-memory errors into an
+        OUT_OF_MEMORY outcome (None: they propagate). Every rank calls it once per step,
+        before the last backward, so no rank starts the gradient all-reduce alone."""
         self.plan = plan
         self.precision = precision
         self.params = list(params)  # listed once: walking the module tree every step costs time
         self.max_grad_norm = max_grad_norm
         self.no_sync = no_sync
         self.all_reduce_sum = all_reduce_sum
+        self.agree_on_oom = agree_on_oom
+        self._agreed = False
         self.mean_loss_weight = plan.micro_batch_size * plan.world_size / plan.global_batch_size
 
     def step(
@@ -118,17 +139,16 @@ class Accumulator:
         ``inspect_grads`` (at log points) also measures how much of the scaled fp16
         gradient sits at the bottom of fp16's range (``_underflow_share``).
         """
-        last = self.plan.accumulation_steps - 1
         counts: list[torch.Tensor | int] = []
         losses: list[torch.Tensor] = []
-        for micro in range(last + 1):
-            batch = next(batches)
-            with nullcontext() if micro == last else self.no_sync():
-                with self.precision.autocast():
-                    loss = loss_fn(model, batch)
-                term = self._backward_term(loss, micro, counts, step_index, tracker)
-                losses.append(term.detach())
-                self.precision.backward(term)
+        if self.agree_on_oom is None:
+            self._micro_steps(model, loss_fn, batches, step_index, tracker, counts, losses)
+        elif not self._micro_steps_unless_out_of_memory(
+            model, loss_fn, batches, step_index, tracker, counts, losses
+        ):
+            tracker.discard_step(step_index)
+            self.precision.zero_grad(optimizer)
+            return StepOutcome(StepStatus.OUT_OF_MEMORY, None)
         # The step's loss terms summed over micro-batches and ranks: finite if and only if
         # every one is (NaN and inf propagate through sums). Still on the device.
         total = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
@@ -147,6 +167,51 @@ class Accumulator:
             self.precision.skip_step(overflowed=status is StepStatus.OVERFLOW)
         self.precision.zero_grad(optimizer)
         return StepOutcome(status, report.norm, underflow)
+
+    def _micro_steps(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        batches: Iterator[Any],
+        step_index: int,
+        tracker: LossTracker,
+        counts: list[torch.Tensor | int],
+        losses: list[torch.Tensor],
+    ) -> None:
+        """Forward and backward of every micro-batch of the step; gradients accumulate."""
+        last = self.plan.accumulation_steps - 1
+        self._agreed = False
+        for micro in range(last + 1):
+            batch = next(batches)
+            with nullcontext() if micro == last else self.no_sync():
+                with self.precision.autocast():
+                    loss = loss_fn(model, batch)
+                term = self._backward_term(loss, micro, counts, step_index, tracker)
+                losses.append(term.detach())
+                if micro == last and self.agree_on_oom is not None:
+                    self._agreed = True
+                    if self.agree_on_oom(False):
+                        raise _PeerOutOfMemory
+                self.precision.backward(term)
+
+    def _micro_steps_unless_out_of_memory(self, *args: Any) -> bool:
+        """``_micro_steps``; False, with every rank agreeing, when one of them ran out of memory."""
+        try:
+            self._micro_steps(*args)
+            return True
+        except _PeerOutOfMemory:
+            return False
+        except torch.OutOfMemoryError as error:
+            if self._agreed and self.plan.world_size > 1:
+                raise LeantrainError(
+                    "out of memory in the last backward of a step, after the gradient all-reduce began: "
+                    "the other processes cannot be told; set a smaller micro_batch_size"
+                ) from error
+        # Out of the except clause: the traceback, and with it the partial graph, is freed.
+        args[-1].clear()  # the step's losses
+        if not self._agreed:
+            self.agree_on_oom(True)  # type: ignore[misc]
+        return False
 
     def _check_finite(self, total: torch.Tensor, report: GradReport) -> StepStatus:
         """Whether this step may update the weights: the one host read of a step.

@@ -109,9 +109,6 @@ def _plan_parser() -> ArgumentParser:
     )
     plan = parser.add_argument_group("Plan")
     plan.add_argument(
-        "--memory-budget", default=None, help="device memory, e.g. 24GiB or 16GB: recommend what fits"
-    )
-    plan.add_argument(
         "--safety-margin",
         type=float,
         default=DEFAULT_MARGIN,
@@ -122,17 +119,11 @@ def _plan_parser() -> ArgumentParser:
 
 
 def run_plan(values: dict[str, Any], console: Console) -> Plan:
-    budget_text, margin, as_json = (
-        values.pop("memory_budget"),
-        values.pop("safety_margin"),
-        values.pop("json"),
-    )
-    budget = None if budget_text is None else parse_bytes(budget_text)
-    if budget_text is not None and not budget:
-        raise ConfigError("memory_budget", budget_text, "must be a size such as 24GiB, 16GB or 512MiB")
+    margin, as_json = values.pop("safety_margin"), values.pop("json")
     if not 0 <= margin < 1:
         raise ConfigError("safety_margin", margin, "must be at least 0 and below 1")
     cfg = config_from_args(values)
+    budget = None if cfg.memory_budget is None else parse_bytes(cfg.memory_budget)
     task, _ = resolve_task(values.get("task"), values.get("example"))
     plan = plan_memory(task, cfg, budget=budget, margin=margin)
     if as_json:

@@ -17,11 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from leantrain.errors import ConfigError
+from leantrain.memory.accountant import parse_bytes
 from leantrain.memory.checkpointing import CheckpointPolicy
 
 Precision = Literal["32", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 NanPolicy = Literal["stop", "skip"]
 WorkerChoice = Literal["auto", "tune"]
+Auto = Literal["auto"]
+LrScaling = Literal["none", "linear", "sqrt"]
 Strategy = Literal["auto", "single", "ddp", "dp"]
 ProgressMode = Literal["auto", "rich", "plain", "none"]
 
@@ -51,8 +54,11 @@ class TrainConfig:
 
     # batch
     global_batch_size: int = _field(64, "batch", "samples per optimizer step, summed over all processes")
-    micro_batch_size: int | None = _field(
-        None, "batch", "samples per forward/backward; null: the whole per-process batch"
+    micro_batch_size: int | Auto | None = _field(
+        None,
+        "batch",
+        "samples per forward/backward; null: the whole per-process batch; auto: the largest that fits "
+        "(searched at start, halved after an out-of-memory error; the global batch stays)",
     )
     max_steps: int | None = _field(None, "batch", "optimizer steps to train; the first limit reached stops")
     max_epochs: int | None = _field(
@@ -62,6 +68,15 @@ class TrainConfig:
     # optimization
     max_grad_norm: float | None = _field(
         None, "optimization", "clip gradients to this total L2 norm; null: no clipping"
+    )
+    lr_scaling: LrScaling = _field(
+        "none",
+        "optimization",
+        "scale the task's learning rates by global_batch_size / reference_batch_size (linear) or its "
+        "square root (sqrt), for a global batch other than the one they were tuned for",
+    )
+    reference_batch_size: int | None = _field(
+        None, "optimization", "the global batch the task's learning rates were tuned for (with lr_scaling)"
     )
     # precision
     precision: Precision = _field(
@@ -84,6 +99,13 @@ class TrainConfig:
         "memory",
         "recompute these blocks' activations in backward instead of keeping them: module class names "
         "(Block), optionally every:N (every N-th of them); every:N alone: the model's repeated blocks",
+    )
+    memory_budget: str | None = _field(
+        None,
+        "memory",
+        "device memory the run may use (24GiB, 16GB): on CUDA a cap on the allocator; on CPU enforced "
+        "by counting saved activations (a simulated out-of-memory error); needed by micro_batch_size "
+        "auto on CPU",
     )
     # data
     num_workers: int | WorkerChoice = _field(
@@ -144,6 +166,16 @@ class TrainConfig:
             if value is not None and not check(value):
                 raise ConfigError(name, value, allowed)
         self._validate_batch(world_size)
+        if self.memory_budget is not None and not parse_bytes(self.memory_budget):
+            raise ConfigError(
+                "memory_budget", self.memory_budget, "must be a size such as 24GiB, 16GB or 512MiB"
+            )
+        if (self.lr_scaling == "none") != (self.reference_batch_size is None):
+            raise ConfigError(
+                "reference_batch_size",
+                self.reference_batch_size,
+                "is needed with lr_scaling linear or sqrt, and only with them",
+            )
         if self.activation_checkpointing is not None:
             CheckpointPolicy.parse(self.activation_checkpointing)  # raises a ConfigError naming the field
         if self.cache is not None and not self.cache.strip():
@@ -164,7 +196,7 @@ class TrainConfig:
                 f"must be a multiple of the world size {world_size}",
             )
         micro = self.micro_batch_size
-        if micro is not None and per_rank % micro:
+        if isinstance(micro, int) and per_rank % micro:
             divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
             raise ConfigError(
                 "micro_batch_size",
@@ -195,7 +227,8 @@ def _positive(value: int | float) -> bool:
 # Value checks beyond the type, for fields whose value is not None.
 _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "global_batch_size": (_positive, "must be a positive integer"),
-    "micro_batch_size": (_positive, "must be a positive integer"),
+    "micro_batch_size": (lambda v: v == "auto" or v > 0, "must be a positive integer, auto or null"),
+    "reference_batch_size": (_positive, "must be a positive integer"),
     "max_steps": (_positive, "must be a positive integer"),
     "max_epochs": (_positive, "must be a positive integer"),
     "max_grad_norm": (_positive, "must be a positive number"),
@@ -238,9 +271,11 @@ def describe_type(annotation: Any) -> str:
     """Human words for an annotation: ``int | None`` -> "an integer or null"."""
     options = _union_args(annotation)
     if options is not None:
-        return " or ".join(describe_type(option) for option in options)
+        parts = [describe_type(option) for option in options]
+        return ", ".join(parts[:-1]) + " or " + parts[-1]
     if typing.get_origin(annotation) is Literal:
-        return "one of " + ", ".join(str(v) for v in typing.get_args(annotation))
+        values = typing.get_args(annotation)
+        return str(values[0]) if len(values) == 1 else "one of " + ", ".join(str(v) for v in values)
     words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     return "null" if annotation is type(None) else words.get(annotation, annotation.__name__)
 

@@ -43,6 +43,7 @@ from leantrain.files import atomic_write_json
 from leantrain.log.metrics import LossTracker
 from leantrain.log.run_logger import RunLogger
 from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, breakdown
+from leantrain.memory.adaptive import MicroBatchSizer, scale_learning_rates
 from leantrain.memory.checkpointing import CheckpointPolicy, apply_activation_checkpointing
 from leantrain.parallel.apply import init_process_group, parallelize, resolve_strategy
 from leantrain.parallel.env import ClusterEnv, detect
@@ -193,16 +194,11 @@ class _Run:
             # From here on each rank draws its own numbers: dropout masks must differ by rank.
             seed_everything(derived_seed(cfg.seed, env.rank))
         self.optimizer = task.optimizer(iter(optimizer_params))
+        self.notes: list[str] = []  # set-up decisions, for the run log
+        if cfg.lr_scaling != "none":  # before the scheduler, which records the base learning rates
+            self.notes.append(scale_learning_rates(self.optimizer, cfg))
         scheduler_fn = getattr(task, "scheduler", None)
         self.scheduler = scheduler_fn(self.optimizer) if callable(scheduler_fn) else None
-        self.accumulator = Accumulator(
-            self.plan,
-            self.precision,
-            self.model.parameters(),
-            cfg.max_grad_norm,
-            self.parallel.no_sync,
-            self.parallel.all_reduce_sum,
-        )
         self.tracker = LossTracker()
         self.val_metrics: dict[str, float] = {}
         # Carried across resumes: seconds in the training loop and in earlier processes of the run.
@@ -227,12 +223,19 @@ class _Run:
         self._saved_rng: dict[str, Any] | None = None
         self._resume(cfg.resume)
 
-        pin = cfg.pin_memory if cfg.pin_memory is not None else device.type == "cuda"
+        self.sizer = MicroBatchSizer(
+            task, cfg, self.precision, self.model, device, env, self.parallel.all_reduce_sum
+        )
+        if cfg.micro_batch_size == "auto":
+            self.plan = self.plan.with_micro_batch(self.sizer.search(self.plan, self.data.dataset))
+        self.notes += self.sizer.notes
+        self.accumulator = self._make_accumulator()
+        self.pin_memory = cfg.pin_memory if cfg.pin_memory is not None else device.type == "cuda"
         self.train_loader, self.num_workers, prefetch = build_train_loader(
-            self.data, cfg, env, self.plan, self.total_steps, self.start_step, pin
+            self.data, cfg, env, self.plan, self.total_steps, self.start_step, self.pin_memory
         )
         self.val_loader = build_val_loader(
-            task, cfg, env, self.plan, self.num_workers, prefetch, pin, self.data.notes
+            task, cfg, env, self.plan, self.num_workers, prefetch, self.pin_memory, self.data.notes
         )
         self.logger = RunLogger(
             run_dir, self.total_steps, cfg.progress, cfg.tensorboard, self.start_step, enabled=env.is_main
@@ -247,29 +250,63 @@ class _Run:
         if self.checkpointed:
             shown = ", ".join(self.checkpointed[:4]) + (", ..." if len(self.checkpointed) > 4 else "")
             self.logger.message(f"activation checkpointing: {len(self.checkpointed)} blocks ({shown})")
-        for note in self.data.notes:
+        for note in self.notes + self.data.notes:
             self.logger.message(note)
 
+    def _make_accumulator(self) -> Accumulator:
+        return Accumulator(
+            self.plan,
+            self.precision,
+            self.model.parameters(),
+            self.cfg.max_grad_norm,
+            self.parallel.no_sync,
+            self.parallel.all_reduce_sum,
+            self.sizer.agree_on_oom if self.sizer.adaptive else None,
+        )
+
+    def _shrink_micro_batch(self, step: int, reason: str) -> Any:
+        """Halve the micro-batch (the global batch stays) and reload from ``step``; the new batches."""
+        old = self.plan.micro_batch_size
+        self.plan = self.plan.with_micro_batch(self.sizer.smaller(self.plan, step, reason))
+        self.accumulator = self._make_accumulator()
+        self.train_loader, _, _ = build_train_loader(
+            self.data, self.cfg, self.env, self.plan, self.total_steps, step, self.pin_memory
+        )
+        self.logger.warning(
+            f"{reason} at step {step + 1}: micro-batch {old} -> {self.plan.micro_batch_size} "
+            f"(x {self.plan.accumulation_steps} accumulation); the global batch and the optimisation stay"
+        )
+        return device_batches(self.train_loader, self.device, self.precision.input_dtype)
+
     def train(self, callbacks: Sequence[Callback], signals: StopSignals) -> None:
-        cfg, model, optimizer, task = self.cfg, self.parallel.module, self.optimizer, self.task
-        loss_fn = _with_augmentation(task)
+        cfg, model, optimizer = self.cfg, self.parallel.module, self.optimizer
+        loss_fn = self.sizer.enforce_budget(_with_augmentation(self.task))
         batches = device_batches(self.train_loader, self.device, self.precision.input_dtype)
         model.train()
         if self._saved_rng is not None:
             restore_rng(self._saved_rng)  # last, after everything that draws random numbers at set-up
         step_hooks = [callback.on_step for callback in callbacks if hasattr(callback, "on_step")]
         # The first step's first micro-batch counts what autograd saves (see memory/accountant.py).
-        saved = SavedActivations(self.model.parameters())
-        measured_loss = _measured_once(loss_fn, saved)
+        saved = SavedActivations(self.model.parameters(), self.sizer.activation_limit)
+        measured_loss = _measured_once(_with_augmentation(self.task), saved, loss_fn)
         window_started = time.perf_counter()
         window_first_step = self.start_step
-        for step in range(self.start_step, self.total_steps):
+        step = self.start_step
+        while step < self.total_steps:
             done = step + 1
             log_due = done % cfg.log_every_n_steps == 0 or done == self.total_steps
-            step_loss = measured_loss if step == self.start_step else loss_fn
+            step_loss = measured_loss if self.memory is None else loss_fn
             outcome = self.accumulator.step(model, optimizer, step_loss, batches, step, self.tracker, log_due)
-            if step == self.start_step:
+            if outcome.status is StepStatus.OUT_OF_MEMORY:
+                batches = self._shrink_micro_batch(step, "out of memory")  # and the same step again
+                measured_loss = _measured_once(_with_augmentation(self.task), saved, loss_fn)
+                continue
+            if self.memory is None:
                 self._account_memory(saved.bytes)
+            if self.sizer.allocator_struggles():
+                batches = self._shrink_micro_batch(
+                    done, "the CUDA allocator retried in several steps in a row"
+                )
             if not outcome.stepped:
                 self._skipped(step, outcome.status)
             elif self.scheduler is not None:
@@ -290,6 +327,7 @@ class _Run:
                 if stop:
                     received = signals.received or signal.SIGTERM
                     raise RunInterrupted(received.name, int(received), done, str(path))
+            step = done
         if self.val_loader is not None:
             self._validate(self.total_steps, callbacks)
 
@@ -508,15 +546,15 @@ class _Run:
         return result
 
 
-def _measured_once(loss_fn: Any, saved: SavedActivations) -> Any:
-    """``loss_fn``, counting saved activations on its first call only."""
+def _measured_once(loss_fn: Any, saved: SavedActivations, later: Any) -> Any:
+    """First ``loss_fn`` with ``saved`` counting (and limiting) what it saves; ``later`` on later calls."""
     calls = 0
 
     def measured(model: nn.Module, batch: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls > 1:
-            return loss_fn(model, batch)
+            return later(model, batch)
         with saved:
             return loss_fn(model, batch)
 

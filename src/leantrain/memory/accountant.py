@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 
-def _root(tensor: torch.Tensor) -> torch.Tensor:
+def base_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``tensor`` views (itself when it is no view)."""
     while tensor._base is not None:
         tensor = tensor._base
     return tensor
@@ -30,7 +31,7 @@ def _root(tensor: torch.Tensor) -> torch.Tensor:
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct tensors among ``tensors`` (views count as their base, once)."""
-    roots = {id(root): root for root in map(_root, tensors)}
+    roots = {id(root): root for root in map(base_tensor, tensors)}
     return sum(t.numel() * t.element_size() for t in roots.values())
 
 
@@ -49,22 +50,32 @@ class SavedActivations:
     """Counts the bytes autograd saves for backward inside the block (parameters excluded).
 
     ``with SavedActivations(model.parameters()) as saved: loss = f(model, batch)``; then
-    ``saved.bytes``. The tensors are only referenced while the block runs.
+    ``saved.bytes``. The tensors are only referenced while the block runs. With ``limit``,
+    saving more than ``limit`` bytes raises ``torch.OutOfMemoryError`` (a simulated one:
+    how a CPU run enforces a memory budget, see ``adaptive.py``).
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._exclude = {id(_root(t)) for t in exclude}
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), limit: int | None = None) -> None:
+        self._exclude = {id(base_tensor(t)) for t in exclude}
         self._seen: dict[int, torch.Tensor] = {}
+        self.limit = limit
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        root = _root(tensor)
-        if id(root) not in self._exclude:
+        root = base_tensor(tensor)
+        if id(root) not in self._exclude and id(root) not in self._seen:
             self._seen[id(root)] = root
+            self.bytes += root.numel() * root.element_size()
+            if self.limit is not None and self.bytes > self.limit:
+                raise torch.OutOfMemoryError(
+                    f"simulated out of memory: a micro-batch saves over {format_bytes(self.bytes)} for "
+                    f"backward, the memory budget leaves {format_bytes(self.limit)} for activations"
+                )
         return tensor
 
     def __enter__(self) -> SavedActivations:
+        self._seen, self.bytes = {}, 0
         self._hooks.__enter__()
         return self
 
@@ -72,7 +83,6 @@ class SavedActivations:
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._hooks.__exit__(kind, error, tb)
-        self.bytes = tensor_bytes(self._seen.values())
         self._seen = {}
 
 

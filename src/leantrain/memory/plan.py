@@ -204,6 +204,6 @@ def plan_memory(
         recommended is None or bigger.micro_batch_size >= RECOMPUTE_PAYS * recommended.micro_batch_size
     ):
         recommended = bigger
-    configured = cfg.micro_batch_size or per_rank
+    configured = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else per_rank
     chosen = recommended or next(r for r in rows if r.micro_batch_size == configured)
     return Plan(cfg.precision, rows, budget, margin, chosen, recommended)
