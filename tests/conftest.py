@@ -128,3 +128,32 @@ def fit(tmp_path: Path):
         return lt.Trainer(config, callbacks=list(callbacks)).fit(task)
 
     return run
+
+
+class HeavyFromStep(RegressionTask):
+    """Once ``heavy`` (from the start, or set by a callback), each loss also saves ~8 KiB per sample
+    for backward; ``rank`` limits that to one process (RANK), None to all."""
+
+    def __init__(
+        self, heavy: bool = True, rank: int | None = None, after_step: int | None = None, after_calls: int = 0
+    ) -> None:
+        super().__init__()
+        self.heavy, self.rank, self.after_step = heavy, rank, after_step
+        self.after_calls, self.calls = after_calls, 0  # heavy from loss call ``after_calls`` + 1 on, if set
+
+    def on_step(self, stats) -> None:  # used as a callback too: heavy after step ``after_step``
+        if self.after_step is not None and stats.step >= self.after_step:
+            self.heavy = True
+
+    def loss(self, model, batch):
+        import os
+
+        x, y, _ = batch
+        prediction = model(x)  # one forward per micro-batch, as DDP requires
+        loss = ((prediction - y) ** 2).mean()
+        self.calls += 1
+        mine = self.rank is None or os.environ.get("RANK", "0") == str(self.rank)
+        if (self.heavy or 0 < self.after_calls < self.calls) and mine:
+            wide = prediction.repeat(1, 256).tanh()  # tanh saves its [micro, 1024] output
+            loss = loss + 0 * wide.sum()
+        return loss

@@ -188,6 +188,7 @@ class _Run:
         if cfg.activation_checkpointing is not None:
             policy = CheckpointPolicy.parse(cfg.activation_checkpointing)
             self.checkpointed = apply_activation_checkpointing(self.model, policy)
+        self.strategy = strategy
         self.parallel = parallelize(self.model, strategy, device)
         if env.distributed:
             # Every rank drew the same initial weights above (DDP also broadcasts rank 0's).
@@ -223,9 +224,7 @@ class _Run:
         self._saved_rng: dict[str, Any] | None = None
         self._resume(cfg.resume)
 
-        self.sizer = MicroBatchSizer(
-            task, cfg, self.precision, self.model, device, env, self.parallel.all_reduce_sum
-        )
+        self.sizer = MicroBatchSizer(task, cfg, self.precision, self.model, device, env)
         if cfg.micro_batch_size == "auto":
             self.plan = self.plan.with_micro_batch(self.sizer.search(self.plan, self.data.dataset))
         self.notes += self.sizer.notes
@@ -268,6 +267,14 @@ class _Run:
         """Halve the micro-batch (the global batch stays) and reload from ``step``; the new batches."""
         old = self.plan.micro_batch_size
         self.plan = self.plan.with_micro_batch(self.sizer.smaller(self.plan, step, reason))
+        if self.env.distributed:
+            # DDP's reducer expected the aborted step's backward; a fresh wrapper (every rank
+            # makes one: they all agreed on the error) starts clean. The weights are equal on
+            # every rank, so its broadcast of rank 0's changes nothing.
+            # The old wrapper's reducer still hooks the parameters: it must be gone first.
+            self.parallel = self.accumulator = None  # type: ignore[assignment]
+            gc.collect()
+            self.parallel = parallelize(self.model, self.strategy, self.device)
         self.accumulator = self._make_accumulator()
         self.train_loader, _, _ = build_train_loader(
             self.data, self.cfg, self.env, self.plan, self.total_steps, step, self.pin_memory
@@ -279,10 +286,10 @@ class _Run:
         return device_batches(self.train_loader, self.device, self.precision.input_dtype)
 
     def train(self, callbacks: Sequence[Callback], signals: StopSignals) -> None:
-        cfg, model, optimizer = self.cfg, self.parallel.module, self.optimizer
+        cfg, optimizer = self.cfg, self.optimizer
         loss_fn = self.sizer.enforce_budget(_with_augmentation(self.task))
         batches = device_batches(self.train_loader, self.device, self.precision.input_dtype)
-        model.train()
+        self.parallel.module.train()
         if self._saved_rng is not None:
             restore_rng(self._saved_rng)  # last, after everything that draws random numbers at set-up
         step_hooks = [callback.on_step for callback in callbacks if hasattr(callback, "on_step")]
@@ -296,7 +303,10 @@ class _Run:
             done = step + 1
             log_due = done % cfg.log_every_n_steps == 0 or done == self.total_steps
             step_loss = measured_loss if self.memory is None else loss_fn
-            outcome = self.accumulator.step(model, optimizer, step_loss, batches, step, self.tracker, log_due)
+            # No local name for the wrapped model: a halving may replace it (see _shrink_micro_batch).
+            outcome = self.accumulator.step(
+                self.parallel.module, optimizer, step_loss, batches, step, self.tracker, log_due
+            )
             if outcome.status is StepStatus.OUT_OF_MEMORY:
                 batches = self._shrink_micro_batch(step, "out of memory")  # and the same step again
                 measured_loss = _measured_once(_with_augmentation(self.task), saved, loss_fn)

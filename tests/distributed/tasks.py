@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import PoisonedSteps, RegressionTask, StreamedRegression
+from tests.conftest import HeavyFromStep, PoisonedSteps, RegressionTask, StreamedRegression
 
 
 def mean_task() -> RegressionTask:
@@ -60,3 +60,13 @@ def nan_in_second_half_of_step3() -> PoisonedSteps:
 def unsized_stream_task() -> StreamedRegression:
     """RegressionTask's data as a stream without __len__, in index order."""
     return StreamedRegression(sized=False)
+
+
+def heavy_on_rank1_later() -> HeavyFromStep:
+    """After a few loss calls, rank 1's micro-batches need more memory; rank 0's never do."""
+    return HeavyFromStep(heavy=False, rank=1, after_calls=6)
+
+
+def heavy_on_rank1() -> HeavyFromStep:
+    """Rank 1's micro-batches need more memory from the start; rank 0's never do."""
+    return HeavyFromStep(heavy=True, rank=1)

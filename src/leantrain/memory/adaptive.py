@@ -123,10 +123,9 @@ class MicroBatchSizer:
         model: nn.Module,
         device: torch.device,
         env: ClusterEnv,
-        all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         self.task, self.cfg, self.precision, self.model = task, cfg, precision, model
-        self.device, self.env, self.all_reduce_sum = device, env, all_reduce_sum
+        self.device, self.env = device, env
         self.adaptive = cfg.micro_batch_size == "auto" or cfg.memory_budget is not None
         self.notes: list[str] = []
         self.activation_limit: int | None = None  # CPU: bytes a micro-batch may save for backward
@@ -166,8 +165,11 @@ class MicroBatchSizer:
         """Whether any rank ran out of memory in this step (one all-reduce in several processes)."""
         if not self.env.distributed:
             return ran_out
+        # The process group directly, not the parallel plan's: the plan's DDP wrapper may be
+        # replaced after an error, and nothing may keep the old one alive.
         flag = torch.tensor([1.0 if ran_out else 0.0], device=self.device)
-        return bool(self.all_reduce_sum(flag).item() > 0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
 
     def search(self, plan: BatchPlan, dataset: Any) -> int:
         """The largest micro-batch whose forward and backward fit, the same on every rank."""

@@ -1,0 +1,120 @@
+"""Micro-batches that fit: the search, the budget, halving after out-of-memory; the math never changes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import leantrain as lt
+from leantrain.memory.adaptive import AllocatorRetries, next_smaller, search_micro_batch
+from leantrain.memory.plan import plan_memory
+from tests.conftest import HeavyFromStep, RegressionTask
+
+
+def test_the_search_doubles_then_bisects():
+    choices = [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
+    tried = []
+
+    def fits(size):
+        tried.append(size)
+        return size <= 12
+
+    assert search_micro_batch(fits, choices) == 12
+    assert tried == [1, 2, 4, 8, 16, 12]  # doubling up to 16 (too big), then between 8 and 16
+    assert search_micro_batch(lambda size: True, choices) == 48
+    with pytest.raises(lt.LeantrainError, match="even a micro-batch of 1 does not fit"):
+        search_micro_batch(lambda size: False, choices)
+
+
+def test_halving_takes_the_largest_choice_at_most_half():
+    assert next_smaller([1, 2, 3, 4, 6, 12], 12) == 6
+    assert next_smaller([1, 2, 3, 4, 6, 12], 6) == 3
+    assert next_smaller([1, 2, 4], 1) is None
+
+
+def test_allocator_retries_in_several_steps_in_a_row_call_for_smaller_micro_batches():
+    counts = iter([0, 1, 2, 3, 3, 4, 5, 6])
+    retries = AllocatorRetries(lambda: {"num_alloc_retries": next(counts)}, steps_in_a_row=3)
+    assert [retries.too_many() for _ in range(7)] == [False, False, True, False, False, False, True]
+
+
+def budget_for(task, micro: int, **config) -> str:
+    """A budget in which exactly the micro-batches up to ``micro`` fit (no margin)."""
+    rows = {row.micro_batch_size: row for row in plan_memory(task, lt.TrainConfig(**config)).rows}
+    fits, too_big = (
+        rows[micro].memory.total_bytes,
+        min(r.memory.total_bytes for s, r in rows.items() if s > micro),
+    )
+    return str((fits + too_big) // 2)
+
+
+def test_auto_picks_what_fits_and_trains_exactly_as_that_micro_batch_fixed(fit):
+    budget = budget_for(HeavyFromStep(), 4, global_batch_size=16)
+    auto = fit(
+        HeavyFromStep(), global_batch_size=16, micro_batch_size="auto", memory_budget=budget, max_steps=6
+    )
+    assert auto.micro_batch_size == 4 and auto.accumulation_steps == 4
+    fixed = fit(HeavyFromStep(), global_batch_size=16, micro_batch_size=4, max_steps=6)
+    for name, value in fixed.model.state_dict().items():
+        assert float((auto.model.state_dict()[name] - value).abs().max()) <= 1e-10, name
+
+
+def test_an_out_of_memory_step_halves_the_micro_batch_and_is_run_again(fit):
+    """After step 3, each micro-batch of 8 needs more than the budget allows."""
+    budget = budget_for(HeavyFromStep(), 4, global_batch_size=16)
+    with pytest.warns(
+        lt.LeantrainWarning, match=r"out of memory at step 4: micro-batch 8 -> 4 \(x 4 accumulation\)"
+    ):
+        task = HeavyFromStep(heavy=False, after_step=3)
+        result = fit(task, callbacks=[task], global_batch_size=16, micro_batch_size=8, memory_budget=budget,
+                     max_steps=8)  # fmt: skip
+    assert result.micro_batch_size == 4 and result.steps == 8
+    reference = fit(RegressionTask(), global_batch_size=16, micro_batch_size=16, max_steps=8)
+    for name, value in reference.model.state_dict().items():
+        assert float((result.model.state_dict()[name] - value).abs().max()) <= 1e-10, name
+    assert math.isfinite(result.final_train_loss)
+
+
+def test_auto_on_the_cpu_needs_a_budget_and_a_budget_must_hold_the_weights(fit):
+    with pytest.raises(lt.LeantrainError, match="micro_batch_size auto needs memory_budget on this device"):
+        fit(RegressionTask(), global_batch_size=16, micro_batch_size="auto", max_steps=1)
+    with pytest.raises(lt.LeantrainError, match="memory_budget 1KB is smaller than the parameters"):
+        fit(RegressionTask(), global_batch_size=16, memory_budget="1KB", max_steps=1)
+
+
+def test_a_step_that_does_not_fit_even_at_micro_batch_one_is_a_clear_error(fit):
+    budget = budget_for(HeavyFromStep(), 1, global_batch_size=16)
+    with pytest.raises(lt.LeantrainError, match="with a micro-batch of 1, the smallest"):
+        fit(HeavyFromStep(), global_batch_size=16, micro_batch_size=1,
+            memory_budget=str(int(budget) // 3), max_steps=2)  # fmt: skip
+
+
+class LearningRates:
+    def __init__(self):
+        self.rates = []
+
+    def on_log(self, step, metrics):
+        self.rates.append(metrics["lr"])
+
+
+@pytest.mark.parametrize(("rule", "factor"), [("linear", 4.0), ("sqrt", 2.0)])
+def test_learning_rates_scale_with_the_global_batch(fit, rule, factor):
+    rates = LearningRates()
+    fit(RegressionTask(), callbacks=[rates], global_batch_size=32, max_steps=1, lr_scaling=rule,
+        reference_batch_size=8)  # fmt: skip
+    assert rates.rates == [pytest.approx(0.05 * factor)]
+
+
+def test_lr_scaling_and_its_reference_come_together():
+    with pytest.raises(lt.ConfigError, match="reference_batch_size=None: is needed with lr_scaling"):
+        lt.TrainConfig(lr_scaling="linear")
+    with pytest.raises(lt.ConfigError, match="reference_batch_size=64"):
+        lt.TrainConfig(reference_batch_size=64)
+
+
+def test_a_budget_that_is_not_a_size_is_refused():
+    with pytest.raises(lt.ConfigError, match="memory_budget='lots': must be a size"):
+        lt.TrainConfig(memory_budget="lots")
+    assert torch.__version__  # the suite's torch
