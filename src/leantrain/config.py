@@ -98,7 +98,8 @@ class TrainConfig:
         None,
         "memory",
         "recompute these blocks' activations in backward instead of keeping them: module class names "
-        "(Block), optionally every:N (every N-th of them); every:N alone: the model's repeated blocks",
+        "(Block), optionally every:N (every N-th of them) and first:N; no name: the model's repeated "
+        "blocks; auto: the fewest of them that fit memory_budget",
     )
     memory_budget: str | None = _field(
         None,
@@ -178,6 +179,14 @@ class TrainConfig:
             )
         if self.activation_checkpointing is not None:
             CheckpointPolicy.parse(self.activation_checkpointing)  # raises a ConfigError naming the field
+        if self.activation_checkpointing == "auto" and (
+            self.memory_budget is None or self.micro_batch_size == "auto"
+        ):
+            raise ConfigError(
+                "activation_checkpointing",
+                "auto",
+                "needs memory_budget, and a micro_batch_size that is not auto (one of the two adapts)",
+            )
         if self.cache is not None and not self.cache.strip():
             raise ConfigError("cache", self.cache, "must be a folder path")
         if self.prefetch_factor is not None and self.num_workers == 0:

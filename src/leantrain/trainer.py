@@ -42,9 +42,10 @@ from leantrain.evaluation import evaluate
 from leantrain.files import atomic_write_json
 from leantrain.log.metrics import LossTracker
 from leantrain.log.run_logger import RunLogger
-from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, breakdown
+from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, breakdown, parse_bytes
 from leantrain.memory.adaptive import MicroBatchSizer, scale_learning_rates
 from leantrain.memory.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+from leantrain.memory.plan import fewest_checkpointed_blocks
 from leantrain.parallel.apply import init_process_group, parallelize, resolve_strategy
 from leantrain.parallel.env import ClusterEnv, detect
 from leantrain.precision import make_precision
@@ -185,9 +186,16 @@ class _Run:
         self.optimizer_params = optimizer_params = self.precision.prepare(self.model)
         self.memory: MemoryBreakdown | None = None
         self.checkpointed: list[str] = []
-        if cfg.activation_checkpointing is not None:
-            policy = CheckpointPolicy.parse(cfg.activation_checkpointing)
-            self.checkpointed = apply_activation_checkpointing(self.model, policy)
+        self.notes: list[str] = []  # set-up decisions, for the run log
+        self.checkpointing = checkpointing = cfg.activation_checkpointing  # resolved, when auto
+        if checkpointing == "auto":
+            budget = parse_bytes(cfg.memory_budget) or 0
+            self.checkpointing = checkpointing = fewest_checkpointed_blocks(task, cfg, budget, env.world_size)
+            self.notes.append(f"activation checkpointing auto: {checkpointing or 'none needed'}")
+        if checkpointing is not None:
+            self.checkpointed = apply_activation_checkpointing(
+                self.model, CheckpointPolicy.parse(checkpointing)
+            )
         self.strategy = strategy
         self.parallel = parallelize(self.model, strategy, device)
         if env.distributed:
@@ -195,7 +203,6 @@ class _Run:
             # From here on each rank draws its own numbers: dropout masks must differ by rank.
             seed_everything(derived_seed(cfg.seed, env.rank))
         self.optimizer = task.optimizer(iter(optimizer_params))
-        self.notes: list[str] = []  # set-up decisions, for the run log
         if cfg.lr_scaling != "none":  # before the scheduler, which records the base learning rates
             self.notes.append(scale_learning_rates(self.optimizer, cfg))
         scheduler_fn = getattr(task, "scheduler", None)
@@ -224,7 +231,7 @@ class _Run:
         self._saved_rng: dict[str, Any] | None = None
         self._resume(cfg.resume)
 
-        self.sizer = MicroBatchSizer(task, cfg, self.precision, self.model, device, env)
+        self.sizer = MicroBatchSizer(task, cfg, self.precision, self.model, device, env, self.checkpointing)
         if cfg.micro_batch_size == "auto":
             self.plan = self.plan.with_micro_batch(self.sizer.search(self.plan, self.data.dataset))
         self.notes += self.sizer.notes

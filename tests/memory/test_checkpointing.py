@@ -16,6 +16,7 @@ from leantrain.memory.checkpointing import (
     block_classes,
     matching_blocks,
 )
+from leantrain.memory.plan import fewest_checkpointed_blocks, plan_memory
 
 
 def small_charlm(dropout: float = 0.1) -> CharLMTask:
@@ -92,3 +93,41 @@ def test_fit_with_checkpointing_trains_exactly_as_without(fit, precision):
     recomputed = fit(small_charlm(), activation_checkpointing="Block", **settings)
     for name, value in plain.model.state_dict().items():
         assert torch.equal(recomputed.model.state_dict()[name], value), name
+
+
+def test_auto_recomputes_the_fewest_blocks_that_fit_the_budget(fit):
+    task = small_charlm(dropout=0.0)
+    config = dict(global_batch_size=16, micro_batch_size=8)
+    rows = {
+        policy: plan_memory(task, lt.TrainConfig(**config, activation_checkpointing=policy)).chosen
+        for policy in (None, "Block,first:1", "Block,first:2", "Block")
+    }
+    assert (
+        rows[None].memory.total_bytes
+        > rows["Block,first:1"].memory.total_bytes
+        > rows["Block"].memory.total_bytes
+    )
+    budget = (rows["Block,first:1"].memory.total_bytes + rows["Block,first:2"].memory.total_bytes) // 2
+    assert fewest_checkpointed_blocks(task, lt.TrainConfig(**config), budget) == "Block,first:2"
+    assert fewest_checkpointed_blocks(task, lt.TrainConfig(**config), rows[None].memory.total_bytes) is None
+    result = fit(task, activation_checkpointing="auto", memory_budget=str(budget), max_steps=2, **config)
+    plain = fit(small_charlm(dropout=0.0), max_steps=2, **config)
+    for name, value in plain.model.state_dict().items():
+        assert torch.equal(result.model.state_dict()[name], value), name
+    with pytest.raises(
+        lt.LeantrainError, match="does not fit memory_budget 1000 even with all 4 Block blocks"
+    ):
+        fewest_checkpointed_blocks(task, lt.TrainConfig(**config, memory_budget="1000"), 1000)
+
+
+def test_auto_needs_a_budget_and_a_fixed_micro_batch():
+    with pytest.raises(lt.ConfigError, match="activation_checkpointing='auto': needs memory_budget"):
+        lt.TrainConfig(activation_checkpointing="auto")
+    with pytest.raises(lt.ConfigError, match="activation_checkpointing='auto'"):
+        lt.TrainConfig(activation_checkpointing="auto", memory_budget="1GiB", micro_batch_size="auto")
+
+
+def test_first_n_keeps_the_first_matching_blocks():
+    model = small_charlm().model()
+    names = [name for name, _ in matching_blocks(model, CheckpointPolicy.parse("Block,first:3"))]
+    assert names == ["blocks.0", "blocks.1", "blocks.2"]

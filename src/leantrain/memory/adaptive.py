@@ -123,9 +123,11 @@ class MicroBatchSizer:
         model: nn.Module,
         device: torch.device,
         env: ClusterEnv,
+        checkpointing: str | None = None,
     ) -> None:
+        """``checkpointing``: the resolved activation-checkpointing policy the model runs with."""
         self.task, self.cfg, self.precision, self.model = task, cfg, precision, model
-        self.device, self.env = device, env
+        self.device, self.env, self.checkpointing = device, env, checkpointing
         self.adaptive = cfg.micro_batch_size == "auto" or cfg.memory_budget is not None
         self.notes: list[str] = []
         self.activation_limit: int | None = None  # CPU: bytes a micro-batch may save for backward
@@ -141,7 +143,7 @@ class MicroBatchSizer:
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
             self.notes.append(f"memory budget {format_bytes(budget)}: the CUDA allocator is capped there")
             return
-        state = measure(self.task, self.cfg, self.cfg.activation_checkpointing, [1])[0].memory
+        state = measure(self.task, self.cfg, self.checkpointing, [1])[0].memory
         static = state.params_bytes + state.grads_bytes + state.optimizer_bytes
         if static >= budget:
             raise LeantrainError(

@@ -9,7 +9,10 @@ of the checkpointed blocks.
 
 * class names (``Block``): every module of that class;
 * ``every:N``: only every N-th of the matching modules (the 1st, the N+1-th, ...);
-* nothing else given with ``every:N``: the model's repeated blocks (see :func:`block_classes`).
+* ``first:N``: only the first N of them (after ``every``);
+* no class name: the model's repeated blocks (see :func:`block_classes`);
+* ``auto``: the fewest of the repeated blocks that let the micro-batch fit the memory
+  budget (resolved before training, see ``plan.fewest_checkpointed_blocks``).
 
 Recomputation uses ``torch.utils.checkpoint`` in its non-reentrant form, which supports
 keyword arguments, composes with autocast and DDP, and restores the RNG state before
@@ -28,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from leantrain.errors import ConfigError
 
-_EVERY = re.compile(r"every:(\d+)")
+_COUNT = re.compile(r"(every|first):(\d+)")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -36,24 +39,32 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 class CheckpointPolicy:
     classes: tuple[str, ...] = ()  # empty: the model's repeated blocks
     every: int = 1
+    first: int | None = None  # only the first N matches (after every)
+    auto: bool = False
 
     @classmethod
     def parse(cls, text: str) -> CheckpointPolicy:
-        """``"Block"``, ``"Block,every:2"``, ``"every:3"``; ConfigError naming the field otherwise."""
-        classes, every = [], 1
+        """``"Block"``, ``"Block,every:2"``, ``"every:3"``, ``"Block,first:2"``, ``"auto"``.
+
+        Anything else is a ConfigError naming the field."""
+        if text.strip() == "auto":
+            return cls(auto=True)
+        classes: list[str] = []
+        counts: dict[str, int] = {}
         for term in (t.strip() for t in text.split(",")):
-            match = _EVERY.fullmatch(term)
-            if match and int(match.group(1)) >= 1:
-                every = int(match.group(1))
-            elif _NAME.fullmatch(term):
+            match = _COUNT.fullmatch(term)
+            if match and int(match.group(2)) >= 1:
+                counts[match.group(1)] = int(match.group(2))
+            elif _NAME.fullmatch(term) and term != "auto":
                 classes.append(term)
             else:
                 raise ConfigError(
                     "activation_checkpointing",
                     text,
-                    "comma-separated module class names and every:N (N >= 1), e.g. Block or Block,every:2",
+                    "auto, or comma-separated module class names, every:N and first:N (N >= 1), "
+                    "e.g. Block or Block,every:2",
                 )
-        return cls(tuple(classes), every)
+        return cls(tuple(classes), counts.get("every", 1), counts.get("first"))
 
 
 def block_classes(model: nn.Module) -> tuple[str, ...]:
@@ -100,7 +111,7 @@ def matching_blocks(model: nn.Module, policy: CheckpointPolicy) -> list[tuple[st
     found = [(name, m) for name, m in model.named_modules() if type(m).__name__ in classes]
     # A match inside another match would be recomputed twice: keep the outermost only.
     outer = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found if o != n)]
-    return outer[:: policy.every]
+    return outer[:: policy.every][: policy.first]
 
 
 class _Recomputed:
@@ -118,6 +129,8 @@ class _Recomputed:
 
 def apply_activation_checkpointing(model: nn.Module, policy: CheckpointPolicy) -> list[str]:
     """Checkpoint the blocks the policy names (before any wrapper); returns their names."""
+    if policy.auto:
+        raise ValueError("resolve an auto policy first (plan.fewest_checkpointed_blocks)")
     blocks = matching_blocks(model, policy)
     for _, module in blocks:
         module.forward = _Recomputed(module)  # type: ignore[method-assign]

@@ -27,9 +27,14 @@ from torch.utils.data import IterableDataset, default_collate
 
 from leantrain.config import TrainConfig
 from leantrain.data.loader import move_to_device
-from leantrain.errors import TaskError
+from leantrain.errors import LeantrainError, TaskError
 from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, breakdown
-from leantrain.memory.checkpointing import CheckpointPolicy, apply_activation_checkpointing, block_classes
+from leantrain.memory.checkpointing import (
+    CheckpointPolicy,
+    apply_activation_checkpointing,
+    block_classes,
+    matching_blocks,
+)
 from leantrain.precision import make_precision
 
 CPU = torch.device("cpu")
@@ -163,6 +168,46 @@ def measure(
     return rows
 
 
+def fewest_checkpointed_blocks(task: Any, cfg: TrainConfig, budget: int, world_size: int = 1) -> str | None:
+    """``activation_checkpointing auto``: the policy recomputing the fewest repeated blocks with
+    which the configured micro-batch fits ``budget``; None when it fits without any.
+
+    Saved activations fall as blocks are recomputed, so the fewest is found by bisection
+    over "the first k blocks", each candidate measured on the meta device.
+    """
+    micro = (
+        cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else cfg.global_batch_size // world_size
+    )
+
+    def fits(policy: str | None) -> bool:
+        return measure(task, cfg, policy, [micro])[0].memory.total_bytes <= budget
+
+    if fits(None):
+        return None
+    with torch.device("meta"):
+        model = task.model()
+    classes = block_classes(model)
+    if not classes:
+        raise LeantrainError(
+            "activation_checkpointing auto: the model has no repeated blocks to recompute; name them instead"
+        )
+    blocks = len(matching_blocks(model, CheckpointPolicy(classes)))
+    name = ",".join(classes)
+    if not fits(name):
+        raise LeantrainError(
+            f"the micro-batch of {micro} does not fit memory_budget {cfg.memory_budget} even with all "
+            f"{blocks} {name} blocks recomputed: lower micro_batch_size or use 16-bit precision"
+        )
+    low, high = 0, blocks  # fits with the first `high` blocks, not with the first `low`
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(f"{name},first:{middle}"):
+            high = middle
+        else:
+            low = middle
+    return name if high == blocks else f"{name},first:{high}"
+
+
 def _judge(rows: list[PlanRow], budget: int | None, margin: float) -> list[PlanRow]:
     if budget is None:
         return rows
@@ -189,6 +234,12 @@ def plan_memory(
     """
     per_rank = cfg.global_batch_size // world_size
     sizes = candidate_micro_batches(per_rank)
+    if cfg.activation_checkpointing == "auto":
+        if budget is None:
+            raise LeantrainError("activation_checkpointing auto needs memory_budget")
+        cfg = cfg.replace(
+            activation_checkpointing=fewest_checkpointed_blocks(task, cfg, int(budget * (1 - margin)))
+        )
     rows = _judge(measure(task, cfg, cfg.activation_checkpointing, sizes), budget, margin)
     best = max((r.micro_batch_size for r in rows if r.fits), default=0)
     if budget is not None and best < per_rank and cfg.activation_checkpointing is None:
