@@ -151,3 +151,10 @@ def test_augment_runs_on_every_training_micro_batch(fit):
     task = Augmented()
     fit(task, global_batch_size=16, micro_batch_size=4, max_steps=3)
     assert task.calls == 3 * 4
+
+
+def test_auto_loads_from_the_cache_in_the_main_process(fit, tmp_path):
+    result = fit(
+        RegressionTask(), cache=str(tmp_path / "cache"), num_workers="auto", global_batch_size=16, max_steps=2
+    )
+    assert result.num_workers == 0

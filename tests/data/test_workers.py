@@ -3,6 +3,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from torch.utils.data import Dataset
 
 from leantrain.data.loader import build_loader
@@ -78,3 +79,14 @@ def test_tune_measures_and_keeps_a_faster_count():
     assert set(result.samples_per_second) == {0, 4}
     assert result.workers == 4 and result.samples_per_second[4] > 2 * result.samples_per_second[0]
     assert "4 is fastest" in result.report()
+
+
+def test_tune_counts_samples_not_the_fields_of_a_batch(monkeypatch):
+    clock = iter(range(100))
+    monkeypatch.setattr("leantrain.data.workers.time.perf_counter", lambda: float(next(clock)))  # 1 s a trial
+
+    def loader(workers, batches):  # collated (inputs, labels) pairs: len() of one is 2
+        return iter([(torch.zeros(len(b)), torch.zeros(len(b))) for b in batches])
+
+    result = tune_workers(loader, [list(range(8))] * 10, candidates=[0, 2], batches_per_trial=3)
+    assert result.samples_per_second == {0: 24.0, 2: 24.0} and result.workers == 0

@@ -94,6 +94,11 @@ def _workers(
         return choice, cfg.prefetch_factor
     cpus = available_cpus()
     workers = auto_workers(env.local_world_size, cpus)
+    if choice == "auto" and cfg.cache is not None:
+        # Measured (benchmarks/results/data.md): from the cache an item costs microseconds, and
+        # handing batches over from worker processes costs more than loading them in place.
+        data.notes.append("num_workers auto: 0 with the cache (items load at memory speed)")
+        return 0, cfg.prefetch_factor
     if choice == "tune" and data.is_stream:
         data.notes.append(f"num_workers tune measures map-style data only; auto chose {workers}")
     elif choice == "tune" and sampler is not None:

@@ -109,7 +109,9 @@ def tune_workers(
         for _ in range(warmup):
             next(iterator)
         started = time.perf_counter()
-        samples = sum(len(batch) for batch in iterator)
+        for _ in iterator:
+            pass
+        samples = sum(len(indices) for indices in batches[warmup:])  # a collated batch's len() is its fields
         rates[workers] = samples / max(time.perf_counter() - started, 1e-9)
         del iterator  # shuts the trial's workers down
     fastest = max(rates.values())
