@@ -41,6 +41,7 @@ from leantrain.errors import CheckpointError, LeantrainError, NonFiniteLossError
 from leantrain.evaluation import evaluate
 from leantrain.files import atomic_write_json
 from leantrain.log.metrics import LossTracker
+from leantrain.log.precision_health import PrecisionHealth
 from leantrain.log.run_logger import RunLogger
 from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, breakdown, parse_bytes
 from leantrain.memory.adaptive import MicroBatchSizer, scale_learning_rates
@@ -59,10 +60,6 @@ from leantrain.runtime import (
     seed_everything,
 )
 from leantrain.task import check_task
-
-# Warn when this share of a log window's steps made no update, or of fp16 gradient values underflows.
-SKIPPED_SHARE_WARNING = 0.25
-UNDERFLOW_SHARE_WARNING = 0.25
 
 
 class StepStats(NamedTuple):
@@ -217,9 +214,6 @@ class _Run:
             "skipped_steps": 0,
             "nonfinite_steps": 0,
         }
-        self.worrying_skips = 0  # skipped steps, less the fp16 scale's calibration at the start
-        self.worrying_skips_at_last_log = 0
-        self.warned: set[str] = set()  # each precision warning is given once per run
 
         self.data = load_train_data(task, cfg, env)
         self.dataset_size = self.data.size  # None for a stream without __len__
@@ -258,6 +252,7 @@ class _Run:
             self.logger.message(f"activation checkpointing: {len(self.checkpointed)} blocks ({shown})")
         for note in self.notes + self.data.notes:
             self.logger.message(note)
+        self.health = PrecisionHealth(self.progress, self.logger.warning)
 
     def _make_accumulator(self) -> Accumulator:
         return Accumulator(
@@ -357,13 +352,9 @@ class _Run:
 
     def _skipped(self, step: int, status: StepStatus) -> None:
         """Count a step that made no update; apply the NaN policy to a non-finite one."""
-        # Overflows before the first update are the fp16 scale settling from its initial value.
-        calibrating = status is StepStatus.OVERFLOW and step == self.progress["skipped_steps"]
-        self.worrying_skips += not calibrating
-        self.progress["skipped_steps"] += 1
+        self.health.count_skip(step, status)
         if status is StepStatus.OVERFLOW:
             return  # routine for fp16: the scale was lowered
-        self.progress["nonfinite_steps"] += 1
         self.tracker.discard_step(step)  # non-finite values never reach the log
         what = "loss" if status is StepStatus.NONFINITE_LOSS else "gradient norm"
         if self.cfg.on_nan == "skip":
@@ -404,51 +395,15 @@ class _Run:
             metrics["epoch"] = (done - 1) // self.steps_per_epoch
         if outcome.grad_norm is not None and outcome.stepped:
             metrics["grad_norm"] = float(outcome.grad_norm)
-        metrics.update(self._precision_metrics(done, window_steps, outcome))
+        metrics.update(
+            self.health.metrics(done, window_steps, self.precision.loss_scale(), outcome.grad_underflow_share)
+        )
         self.logger.log(done, metrics)
         remaining = (self.total_steps - done) * self.plan.global_batch_size / speed
         self.logger.progress.update(done, train_loss, speed, remaining)
         for callback in callbacks:
             if hasattr(callback, "on_log"):
                 callback.on_log(done, metrics)
-
-    def _precision_metrics(self, done: int, window_steps: int, outcome: StepOutcome) -> dict[str, float]:
-        """Skipped steps, loss scale and gradient underflow; warns (once each) when they look bad."""
-        metrics: dict[str, float] = {"skipped_steps": self.progress["skipped_steps"]}
-        skipped = self.worrying_skips - self.worrying_skips_at_last_log
-        self.worrying_skips_at_last_log = self.worrying_skips
-        scale_tensor = self.precision.loss_scale()
-        scale = None if scale_tensor is None else float(scale_tensor)
-        if scale is not None:
-            metrics["loss_scale"] = scale
-        if outcome.grad_underflow_share is not None:
-            metrics["grad_underflow_share"] = float(outcome.grad_underflow_share)
-        scale_text = "" if scale is None else f" (loss scale now {scale:g})"
-        if window_steps >= 4 and skipped > window_steps * SKIPPED_SHARE_WARNING:
-            self._warn_once(
-                "skipped",
-                f"{skipped} of the last {window_steps} steps were skipped{scale_text}: training is "
-                "losing updates; try bf16, a lower learning rate, or gradient clipping",
-            )
-        if scale is not None and scale < 1.0:
-            self._warn_once(
-                "collapsed",
-                f"the fp16 loss scale collapsed to {scale:g} at step {done}: gradients overflow even "
-                "unscaled; try bf16-mixed or a lower learning rate",
-            )
-        underflow = metrics.get("grad_underflow_share", 0.0)
-        if underflow > UNDERFLOW_SHARE_WARNING:
-            self._warn_once(
-                "underflow",
-                f"{underflow:.0%} of the non-zero fp16 gradient values are below fp16's smallest normal "
-                f"at step {done}{scale_text}: small gradients lose precision or flush to 0; try bf16",
-            )
-        return metrics
-
-    def _warn_once(self, kind: str, text: str) -> None:
-        if kind not in self.warned:
-            self.warned.add(kind)
-            self.logger.warning(text)
 
     def _validate(self, done: int, callbacks: Sequence[Any]) -> float:
         """Validate, log the metrics and return the seconds it took."""
