@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/ddp.py
 	$(PY) benchmarks/precision.py
 	$(PY) benchmarks/data.py
+	$(PY) benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -7,8 +7,9 @@ on a model that needs microseconds per sample: the training speed is the loading
 - ``num_workers=0`` (the baseline: what a default ``DataLoader`` does, loading in the main process),
 - ``num_workers="auto"`` (one worker per CPU this process may use),
 - ``num_workers="tune"`` (candidate counts timed on the first micro-batches; the fastest kept),
-- ``cache=DIR`` with ``num_workers=0`` and with ``"auto"``, DIR built once before the timed rounds
-  by ``leantrain cache --example slowdata --out DIR`` (its build is timed separately),
+- ``cache=DIR`` with ``num_workers=0``, with ``"auto"`` (which picks 0 with a cache) and with as
+  many workers as auto gives without one; DIR built once before the timed rounds by
+  ``leantrain cache --example slowdata --out DIR`` (its build is timed separately),
 - ``"auto"`` again with torch's default intra-op thread count in the main process (every other
   row uses ``torch.set_num_threads(1)``),
 - ``num_workers=0`` a second time: the noise floor.
@@ -21,9 +22,11 @@ training, to separate loading speed from training. All rows run interleaved in o
 several rounds in a rotating order; medians over rounds, ratios to ``num_workers=0`` of the same
 round with their range. Each window also records the CPU time of this process and its worker
 processes and of the whole machine (``/proc/stat``): what other processes took is the first
-suspect when workers fall short of the core count.
+suspect when workers fall short of the core count. The script waits for a quiet machine before
+each run and redoes a run that other processes disturbed, within limits (``--max-others``,
+``--quiet-wait``, ``--retries``, ``--patience``).
 
-    python benchmarks/data.py            # full run (about 5 min on 2 cores); writes results/data.md
+    python benchmarks/data.py            # full run (about 6 min on 2 cores); writes results/data.md
     python benchmarks/data.py --quick    # smoke run (under a minute); prints the table only
 """
 
@@ -68,7 +71,6 @@ from leantrain.examples.slowdata import SlowDataTask
 DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice, read before anything changes it
 THREADS = 1
 BATCH_SIZE = 32  # global batch, one micro-batch per step
-FIELDS = 2  # a slowdata batch is (images, labels)
 SEED = 0
 LOG_EVERY = 100_000  # more than the steps of a run: the only log point is the last step
 TARGET_AUTO, TARGET_CACHE = 1.8, 5.0  # the issue's targets, times num_workers=0's samples/s
@@ -79,10 +81,13 @@ WORKER_WARNING = "This DataLoader will create"
 
 BASELINE, NOISE_FLOOR = "num_workers=0", "num_workers=0, again"
 AUTO, TUNE = "num_workers=auto", "num_workers=tune"
+# Workers per process that auto gives without the cache (with it, auto loads in the main process).
+SHARE = auto_workers(1)
 CACHE0, CACHE_AUTO = "cache, num_workers=0", "cache, num_workers=auto"
+CACHE_N = f"cache, num_workers={SHARE}"
 AUTO_THREADS = f"num_workers=auto, {DEFAULT_THREADS} torch threads"
 LOAD0, LOAD_AUTO = "loader alone, num_workers=0", "loader alone, num_workers=auto"
-LOAD_CACHE0, LOAD_CACHE_AUTO = "loader alone, cache, num_workers=0", "loader alone, cache, num_workers=auto"
+LOAD_CACHE0, LOAD_CACHE_N = "loader alone, cache, num_workers=0", f"loader alone, cache, num_workers={SHARE}"
 
 
 @dataclass
@@ -113,11 +118,12 @@ def settings() -> list[Setting]:
         Setting(TUNE, "tune"),
         Setting(CACHE0, 0, cache=True),
         Setting(CACHE_AUTO, "auto", cache=True),
+        Setting(CACHE_N, SHARE, cache=True),  # what auto chose with the cache before 08de5a3
         Setting(AUTO_THREADS, "auto", threads=DEFAULT_THREADS),
         Setting(LOAD0, 0, train=False),
         Setting(LOAD_AUTO, "auto", train=False),
         Setting(LOAD_CACHE0, 0, cache=True, train=False),
-        Setting(LOAD_CACHE_AUTO, "auto", cache=True, train=False),
+        Setting(LOAD_CACHE_N, SHARE, cache=True, train=False),
         # The baseline once more (an A/A test): its ratio is the noise floor of the machine.
         Setting(NOISE_FLOOR, 0),
     ]
@@ -338,6 +344,7 @@ def wait_for_quiet(max_others: float, max_wait: float) -> float:
 
 
 waits: list[float] = []  # seconds spent waiting for a quiet machine before each timed run
+redone: list[float] = []  # seconds of the runs done again (their results dropped)
 
 
 def measure(
@@ -351,11 +358,15 @@ def measure(
         shift = round_index % len(timed)  # no row always first or last
         for setting in timed[shift:] + timed[:shift]:
             for attempt in range(args.retries + 1):
-                waits.append(wait_for_quiet(args.max_others, args.quiet_wait))
+                left = args.patience - sum(waits) - sum(redone)
+                if left > 0:
+                    waits.append(wait_for_quiet(args.max_others, min(args.quiet_wait, left)))
+                attempt_started = time.perf_counter()
                 outcome = run_once(setting, task, datasets, args, cache)
                 if outcome.window.others <= args.max_others:
                     break
-                if attempt < args.retries:
+                if attempt < args.retries and sum(waits) + sum(redone) < args.patience:
+                    redone.append(time.perf_counter() - attempt_started)
                     setting.retried += 1
                     print(
                         f"round {round_index + 1}/{args.rounds}  {setting.name:<38} other processes took "
@@ -363,6 +374,8 @@ def measure(
                         file=sys.stderr,
                         flush=True,
                     )
+                else:
+                    break
             setting.rates.append(outcome.window.rate)
             setting.cpu_ms.append(outcome.window.cpu_ms)
             setting.main.append(outcome.window.main)
@@ -519,7 +532,8 @@ def render(
         f"- Other load: before each timed run the script waits (at most {args.quiet_wait:g} s) until "
         f"other processes use at most {args.max_others:g} cores over 0.3 s, and a run during which they "
         f"took more is done again, at most {args.retries} time(s); the last attempt is kept whatever its "
-        f"load. This run waited {sum(waits):.0f} s in all and redid "
+        f"load. No more waiting or redoing once {args.patience:g} s have gone into them. This run waited "
+        f"{sum(waits):.0f} s in all, spent {sum(redone):.0f} s on runs it dropped, and redid "
         + (", ".join(f"{s.name} {s.retried}x" for s in timed if s.retried) or "no run")
         + f"; runs kept with more than {args.max_others:g} cores of other load: "
         + (
@@ -556,21 +570,18 @@ def render(
     if tune.tune_rates:
         candidates = sorted({n for rates in tune.tune_rates for n in rates})
 
-        def trial(n: int, scale: float) -> str:
-            return ranged([rates[n] * scale for rates in tune.tune_rates if n in rates], 0)
+        def trial(n: int) -> str:
+            return ranged([rates[n] for rates in tune.tune_rates if n in rates], 0)
 
         lines += [
             "",
-            "tune's own trials (the loader alone, by candidate worker count, median over rounds; it keeps "
-            "the smallest count within 5% of the fastest). *As logged*: `TuneResult.samples_per_second`, "
-            f"which counts `len(batch)`, the {FIELDS} fields of a collated (images, labels) batch, not its "
-            f"{BATCH_SIZE} samples (a bug, see the README); *samples/s*: the same times {BATCH_SIZE} / "
-            f"{FIELDS}.",
+            "tune's own trials: `TuneResult.samples_per_second` (what tune logs), the loader alone by "
+            "candidate worker count, median over rounds; it keeps the smallest count within 5% of the "
+            "fastest.",
             "",
             "| Candidate workers | " + " | ".join(str(n) for n in candidates) + " |",
             "|---|" + "---:|" * len(candidates),
-            "| as logged | " + " | ".join(trial(n, 1) for n in candidates) + " |",
-            "| samples/s | " + " | ".join(trial(n, BATCH_SIZE / FIELDS) for n in candidates) + " |",
+            "| samples/s | " + " | ".join(trial(n) for n in candidates) + " |",
         ]
     auto = statistics.median(speed[AUTO])
     cache0, cache_auto = statistics.median(speed[CACHE0]), statistics.median(speed[CACHE_AUTO])
@@ -616,6 +627,8 @@ def interpretation(
     ceiling = cores / (load_ms + train_ms) * 1e3  # every core busy, nothing else running
     ceiling_ratio = ceiling / rate(BASELINE)
     others = med(auto.others)
+    extra_cpu = med(auto.cpu_ms) / med(base.cpu_ms)
+    cpu_noise = abs(med(by_name[NOISE_FLOOR].cpu_ms) / med(base.cpu_ms) - 1)
     lines = [
         f"- The baseline is data-bound: `num_workers=0` trains {rate(BASELINE):,.0f} samples/s at "
         f"{med(base.cpu_ms):.2f} ms of CPU per sample, of which training (measured from the cache: the "
@@ -633,9 +646,14 @@ def interpretation(
         f"{ratio(LOAD_AUTO):.2f}x. Over auto's windows this process and its workers kept "
         f"{med(auto.ours):.2f} cores busy (the main process {med(auto.main):.2f}), other processes "
         f"{others:.2f}. CPU per sample: {med(auto.cpu_ms):.2f} ms against {med(base.cpu_ms):.2f} ms with "
-        "`num_workers=0` "
-        f"({100 * (med(auto.cpu_ms) / med(base.cpu_ms) - 1):+.0f}%: what handing batches over from worker "
-        "processes adds, within the noise of this figure when small).",
+        f"`num_workers=0`, {100 * (extra_cpu - 1):+.0f}% ("
+        + (
+            "what running in worker processes adds: each batch copied into a shared-memory segment "
+            "by its worker, its handle sent through a queue, the segment mapped by the main process"
+            if abs(extra_cpu - 1) > 2 * cpu_noise
+            else "within the noise"
+        )
+        + f"; the baseline's second copy differs from the first by {100 * cpu_noise:.0f}%).",
     ]
     quiet = quiet_ratios(auto, base, max_others)
     if ratio(AUTO) < TARGET_AUTO:
@@ -665,9 +683,10 @@ def interpretation(
             f"process kept {med(threads.main):.2f} cores busy against {med(auto.main):.2f} with one thread, "
             "for the same tiny model. That is OpenMP's spin-wait: after each parallel region torch's "
             "extra intra-op thread keeps spinning for a while instead of sleeping, on the cores the "
-            "workers need (a separate test with `OMP_WAIT_POLICY=passive` removed the loss, see "
-            "benchmarks/README.md). With workers loading on every core, the main process should run one "
-            "thread (`torch.set_num_threads(1)`, or `OMP_WAIT_POLICY=passive`)"
+            "workers need (in a separate test, `OMP_WAIT_POLICY=passive` brought the main process back "
+            "to the CPU of one thread, see benchmarks/README.md). With workers loading on every core, "
+            "the main process should run one thread (`torch.set_num_threads(1)`, or "
+            "`OMP_WAIT_POLICY=passive`)"
         )
     else:
         thread_text = (
@@ -706,13 +725,14 @@ def interpretation(
     build_seconds = build.seconds["train"]
     saved_per_sample = 1 / rate(BASELINE) - 1 / rate(CACHE0)
     lines.append(
-        f"- The cache: {ratio(CACHE0):.1f}x with `num_workers=0` ({rate(CACHE0):,.0f} samples/s), "
-        f"{ratio(CACHE_AUTO):.1f}x with auto's {counts(by_name[CACHE_AUTO].used)} workers. Once an item "
+        f"- The cache: {ratio(CACHE0):.1f}x with `num_workers=0` ({rate(CACHE0):,.0f} samples/s); auto "
+        f"chose {counts(by_name[CACHE_AUTO].used)} worker(s) with it ({ratio(CACHE_AUTO):.1f}x); "
+        f"{SHARE} workers, auto's share without the cache, {ratio(CACHE_N):.1f}x. Once an item "
         f"costs microseconds (the loader alone reads {rate(LOAD_CACHE0):,.0f} samples/s in the main process, "
-        f"{rate(LOAD_CACHE_AUTO):,.0f} through workers), handing each batch from a worker to the main "
+        f"{rate(LOAD_CACHE_N):,.0f} through {SHARE} workers), handing each batch from a worker to the main "
         + (
             "process costs more than reading it: with a cache, `num_workers=0` is the faster choice here. "
-            if rate(CACHE_AUTO) < rate(CACHE0)
+            if rate(CACHE_N) < rate(CACHE0)
             else "process costs about as much as reading it. "
         )
         + "The train split's build "
@@ -735,7 +755,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--steps", type=int, default=120, help="steps per run without the cache (default 120)"
     )
     parser.add_argument(
-        "--cache-steps", type=int, default=1500, help="steps per run from the cache (default 1500)"
+        "--cache-steps", type=int, default=1000, help="steps per run from the cache (default 1000)"
     )
     parser.add_argument("--warmup", type=int, default=10, help="first steps dropped (default 10)")
     parser.add_argument(
@@ -761,6 +781,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="seconds to wait at most, before each run, for other processes to go quiet (default 30)",
     )
     parser.add_argument(
+        "--patience",
+        type=float,
+        default=150.0,
+        help="seconds in all for waiting and runs done again; then every run is kept (default 150)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: 24 steps (240 from the cache), 2 rounds, no retries; writes only with --out",
@@ -769,7 +795,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.cache_steps, args.warmup, args.cache_warmup, args.rounds = 24, 240, 4, 24, 2
-        args.retries, args.quiet_wait = 0, 3.0
+        args.retries, args.quiet_wait, args.patience = 0, 3.0, 10.0
     # A smoke run must not overwrite the full results unless asked to.
     if args.out is None and not args.quick:
         args.out = DEFAULT_OUT
@@ -777,8 +803,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--steps must exceed --warmup + 1, and --cache-steps --cache-warmup + 1")
     if args.steps < min_tune_steps():
         parser.error(f"--steps must be at least {min_tune_steps()} here (num_workers=tune's trials)")
-    if args.rounds < 1 or args.retries < 0 or args.quiet_wait < 0 or args.max_others < 0:
-        parser.error("--rounds must be at least 1; --retries, --quiet-wait and --max-others at least 0")
+    if args.rounds < 1 or min(args.retries, args.quiet_wait, args.max_others, args.patience) < 0:
+        parser.error("--rounds must be at least 1; --retries, --quiet-wait, --max-others, --patience >= 0")
     return args
 
 

@@ -90,3 +90,22 @@ def test_tune_counts_samples_not_the_fields_of_a_batch(monkeypatch):
 
     result = tune_workers(loader, [list(range(8))] * 10, candidates=[0, 2], batches_per_trial=3)
     assert result.samples_per_second == {0: 24.0, 2: 24.0} and result.workers == 0
+
+
+def test_tune_only_tries_counts_that_the_run_has_batches_for(monkeypatch):
+    clock = iter(range(100))
+    monkeypatch.setattr("leantrain.data.workers.time.perf_counter", lambda: float(next(clock)))
+
+    def loader(workers, batches):
+        return iter([torch.zeros(len(b)) for b in batches])
+
+    result = tune_workers(loader, [list(range(4))] * 4, candidates=[0, 1, 2, 4], batches_per_trial=8)
+    assert set(result.samples_per_second) == {0, 1, 2}  # 4 workers would need 4 + 2 micro-batches
+    assert tune_workers(loader, [list(range(4))] * 2, candidates=[0, 1]) is None
+
+
+def test_fit_with_tune_on_a_run_too_short_to_measure_falls_back_to_auto(fit):
+    from tests.conftest import RegressionTask
+
+    result = fit(RegressionTask(), num_workers="tune", global_batch_size=16, max_steps=2)
+    assert result.num_workers == auto_workers(1)

@@ -110,8 +110,13 @@ def _workers(
                                 prefetch_factor=prefetch, seed=cfg.seed)  # fmt: skip
 
         result = tune_workers(trial_loader, batches, tune_candidates(cpus, env.local_world_size))
-        workers = result.workers
-        data.notes.append(result.report())
+        if result is None:
+            data.notes.append(
+                f"num_workers tune: too few micro-batches in this run to measure; auto chose {workers}"
+            )
+        else:
+            workers = result.workers
+            data.notes.append(result.report())
     else:
         data.notes.append(f"num_workers auto: {workers} ({cpus} CPUs for {env.local_world_size} process(es))")
     prefetch = cfg.prefetch_factor or (auto_prefetch(workers, plan.accumulation_steps) if workers else None)

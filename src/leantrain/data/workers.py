@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader
 MAX_AUTO_WORKERS = 16
 # Each worker keeps this many micro-batches in flight at least (torch's default).
 MIN_PREFETCH = 2
+# tune times at least this many micro-batches per worker count, after the warm-up.
+MIN_TIMED = 2
 # tune keeps the smallest worker count whose throughput is within this share of the best.
 TIE = 0.05
 
@@ -90,17 +92,21 @@ def tune_workers(
     micro_batches: Sequence[list[int]],
     candidates: Sequence[int],
     batches_per_trial: int = 8,
-) -> TuneResult:
+) -> TuneResult | None:
     """Time loading ``batches_per_trial`` micro-batches with each worker count; the fastest wins.
 
     ``make_loader(workers, batches)`` builds the loader to measure. Each trial first loads
     one micro-batch per worker, untimed, so worker start-up is not counted: persistent
     workers start once per run. The smallest count within ``TIE`` of the best wins: fewer
-    processes use less memory, and timings this short are noisy.
+    processes use less memory, and timings this short are noisy. A count is only tried when
+    the run has enough micro-batches to time at least ``MIN_TIMED`` after its warm-up; None
+    when none can be.
     """
     rates: dict[int, float] = {}
     for workers in candidates:
         warmup = max(workers, 1)
+        if len(micro_batches) < warmup + MIN_TIMED:
+            continue
         batches = list(micro_batches[: warmup + batches_per_trial])
         with warnings.catch_warnings():
             # torch warns about more workers than CPUs: trying more is the point here.
@@ -114,6 +120,8 @@ def tune_workers(
         samples = sum(len(indices) for indices in batches[warmup:])  # a collated batch's len() is its fields
         rates[workers] = samples / max(time.perf_counter() - started, 1e-9)
         del iterator  # shuts the trial's workers down
+    if not rates:
+        return None
     fastest = max(rates.values())
     best = min(n for n, rate in rates.items() if rate >= (1 - TIE) * fastest)
     return TuneResult(best, rates)
