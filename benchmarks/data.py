@@ -55,6 +55,8 @@ import torch
 
 import leantrain as lt
 import leantrain.data.pipeline as pipeline
+from _common import add_output_options, cpu_model, load_now, output_path, publish
+from _common import ranged as common_ranged
 from leantrain.batching import BatchPlan
 from leantrain.data.cache import prepare_cache, task_source
 from leantrain.data.loader import build_loader
@@ -432,28 +434,9 @@ def build_cache(folder: Path) -> Build:
 # Report
 
 
-def load_now() -> str:
-    """The 1-minute load average: other work on the machine is the first suspect of noise."""
-    return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def ranged(values: Sequence[float], digits: int) -> str:
-    middle = statistics.median(values)
-    if len(values) == 1 or max(values) - min(values) < 0.5 * 10**-digits:
-        return f"{middle:,.{digits}f}"
-    return f"{middle:,.{digits}f} [{min(values):,.{digits}f} to {max(values):,.{digits}f}]"
+    """The median and range of ``values``, thousands grouped: samples/s run into the tens of thousands."""
+    return common_ranged(values, digits, thousands=True)
 
 
 def counts(values: Sequence[int]) -> str:
@@ -786,19 +769,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=150.0,
         help="seconds in all for waiting and runs done again; then every run is kept (default 150)",
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: 24 steps (240 from the cache), 2 rounds, no retries; writes only with --out",
+    add_output_options(
+        parser,
+        "smoke run: 24 steps (240 from the cache), 2 rounds, no retries; writes only with --out",
+        DEFAULT_OUT,
     )
-    parser.add_argument("--out", type=Path, default=None, help=f"Markdown output (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.cache_steps, args.warmup, args.cache_warmup, args.rounds = 24, 240, 4, 24, 2
         args.retries, args.quiet_wait, args.patience = 0, 3.0, 10.0
-    # A smoke run must not overwrite the full results unless asked to.
-    if args.out is None and not args.quick:
-        args.out = DEFAULT_OUT
+    args.out = output_path(args, DEFAULT_OUT)
     if args.steps <= args.warmup + 1 or args.cache_steps <= args.cache_warmup + 1:
         parser.error("--steps must exceed --warmup + 1, and --cache-steps --cache-warmup + 1")
     if args.steps < min_tune_steps():
@@ -834,11 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         del cached, datasets
     minutes = (time.perf_counter() - started) / 60
     table = render(timed, build, args, load_before, minutes)
-    print(table)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
-        print(f"written to {args.out}", file=sys.stderr)
+    publish(table, args.out)
     return 0
 
 

@@ -51,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 import leantrain as lt
+from _common import add_output_options, load_now, output_path, publish
 from leantrain.examples.charlm import CharLMTask
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -411,11 +412,6 @@ class Measured:
         return statistics.median(self.speeds)
 
 
-def load_now() -> str:
-    """The 1-minute load average: other work on the machine is the first suspect of noise."""
-    return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
-
-
 def merge_probe(total: dict[str, Any] | None, part: dict[str, Any]) -> dict[str, Any]:
     """Append one probe run's timings to the previous ones (the rounds stay paired by index)."""
     if total is None:
@@ -593,19 +589,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, default=3, help="probe rounds per repetition, model and mode (default 3)"
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 1 repetition, 3 windows; writes only with --out"
-    )
-    parser.add_argument("--out", type=Path, default=None, help=f"Markdown output (default {DEFAULT_OUT})")
+    add_output_options(parser, "smoke run: 1 repetition, 3 windows; writes only with --out", DEFAULT_OUT)
     # Internal: the probe's worker mode, started by torchrun.
     parser.add_argument("--comm-probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.repetitions, args.windows, args.rounds = 1, 3, 2
-    # A smoke run must not overwrite the full results unless asked to.
-    if args.out is None and not args.quick:
-        args.out = DEFAULT_OUT
+    args.out = output_path(args, DEFAULT_OUT)
     if any(MICRO_BATCHES_PER_WINDOW % accumulation for accumulation in ACCUMULATIONS):
         parser.error(
             f"MICRO_BATCHES_PER_WINDOW={MICRO_BATCHES_PER_WINDOW} must be a multiple of {ACCUMULATIONS}"
@@ -630,11 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         measured, probe = measure(args.repetitions, args.windows, args.rounds, Path(scratch))
     minutes = (time.perf_counter() - started) / 60
     table = render(measured, probe, args.repetitions, args.windows, args.rounds, load_before, minutes)
-    print(table)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
-        print(f"written to {args.out}", file=sys.stderr)
+    publish(table, args.out)
     return 0
 
 

@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +49,18 @@ from torch import nn
 from torch.utils.data import default_collate
 
 import leantrain as lt
+from _common import (
+    add_output_options,
+    cpu_model,
+    current_rss_kib,
+    load_now,
+    output_path,
+    peak_rss_kib,
+    publish,
+    ranged,
+    reset_peak_rss,
+    run_probe_script,
+)
 from leantrain.examples.charlm import CharLMTask
 from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, base_tensor
 from leantrain.memory.checkpointing import CheckpointPolicy, apply_activation_checkpointing
@@ -296,26 +307,6 @@ def ratios(entries: list[Timed], cpu: bool = False) -> dict[str, list[float]]:
 # Peak process memory, one fresh subprocess per micro-batch
 
 
-def current_rss_kib() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-
-
-def peak_rss_kib() -> int:
-    """The process's peak resident set since exec (or the last reset): VmHWM, in KiB."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def reset_peak_rss() -> None:
-    """Reset the high-water mark to the current RSS (Linux >= 4.0), so set-up peaks do not count."""
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-
-
 def rss_probe(micro_batch: int, steps: int, out: Path) -> None:
     """The subprocess: a warm-up fit, then ``steps`` steps of the global batch in ``micro_batch``."""
     torch.set_num_threads(THREADS)
@@ -333,12 +324,8 @@ def rss_probe(micro_batch: int, steps: int, out: Path) -> None:
 
 def run_probe(micro_batch: int, steps: int, out: Path) -> float:
     """Peak RSS growth of one probe, MiB."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--rss-probe", str(micro_batch)]
-    command += ["--rss-steps", str(steps), "--probe-out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"RSS probe {' '.join(command[1:])} failed:\n{done.stdout}\n{done.stderr}")
-    figures = json.loads(out.read_text())
+    arguments = ["--rss-probe", str(micro_batch), "--rss-steps", str(steps), "--probe-out", str(out)]
+    figures = run_probe_script(Path(__file__).resolve(), arguments, out)
     return (figures["peak_kib"] - figures["before_kib"]) / 1024
 
 
@@ -398,30 +385,6 @@ def fit_total(result: lt.FitResult) -> int:
 
 # ---------------------------------------------------------------------------------------
 # Report
-
-
-def load_now() -> str:
-    """The 1-minute load average: other work on the machine is the first suspect of noise."""
-    return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def ranged(values: Sequence[float], digits: int) -> str:
-    middle = statistics.median(values)
-    if len(values) == 1 or max(values) - min(values) < 0.5 * 10**-digits:
-        return f"{middle:.{digits}f}"
-    return f"{middle:.{digits}f} [{min(values):.{digits}f} to {max(values):.{digits}f}]"
 
 
 def mib(count: float) -> str:
@@ -841,12 +804,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rss-repetitions", type=int, default=2, help="peak-memory subprocesses per setting (default 2)"
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: fewer steps and rounds, 1 peak-memory run each; writes only with --out",
+    add_output_options(
+        parser,
+        "smoke run: fewer steps and rounds, 1 peak-memory run each; writes only with --out",
+        DEFAULT_OUT,
     )
-    parser.add_argument("--out", type=Path, default=None, help=f"Markdown output (default {DEFAULT_OUT})")
     # Internal: the peak-memory subprocess.
     parser.add_argument("--rss-probe", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--probe-out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -859,9 +821,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.steps, args.warmup, args.rounds = 10, 3, 2
         args.accum_steps, args.accum_warmup, args.accum_rounds = 6, 2, 1
         args.held_steps, args.rss_steps, args.rss_repetitions = 2, 3, 1
-    # A smoke run must not overwrite the full results unless asked to.
-    if args.out is None and not args.quick:
-        args.out = DEFAULT_OUT
+    args.out = output_path(args, DEFAULT_OUT)
     if args.steps <= args.warmup + 1 or args.accum_steps <= args.accum_warmup + 1:
         parser.error("--steps must exceed --warmup + 1, and --accum-steps --accum-warmup + 1")
     if min(args.rounds, args.accum_rounds, args.held_steps, args.rss_steps, args.rss_repetitions) < 1:
@@ -949,11 +909,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = Results(saved, block_inside, ckpt_timed, accum_saved, held, accum_timed, rss, plans, params)
     minutes = (time.perf_counter() - started) / 60
     table = render(results, args, load_before, minutes)
-    print(table)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
-        print(f"written to {args.out}", file=sys.stderr)
+    publish(table, args.out)
     return 0
 
 

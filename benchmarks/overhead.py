@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import leantrain as lt
+from _common import add_output_options, load_now, output_path, publish
 
 SAMPLES, FEATURES, HIDDEN, CLASSES = 4096, 64, 256, 10
 BATCH_SIZE = 32
@@ -357,11 +358,6 @@ def paired_ratios(contender: Contender, baseline: Contender) -> list[float]:
     return [mine / base for mine, base in zip(contender.medians, baseline.medians, strict=True)]
 
 
-def load_now() -> str:
-    """The 1-minute load average: other work on the machine is the first suspect of noise."""
-    return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
-
-
 def render(all_contenders: list[Contender], steps: int, rounds: int, warmup: int, load_before: str) -> str:
     by_name = {c.name: c for c in all_contenders}
     baseline, leantrain, floor = by_name[BASELINE], by_name[LEANTRAIN], by_name[NOISE_FLOOR]
@@ -425,16 +421,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=512, help="optimizer steps per run (default 512)")
     parser.add_argument("--rounds", type=int, default=9, help="rounds of all contenders (default 9)")
     parser.add_argument("--warmup", type=int, default=20, help="first step gaps dropped (default 20)")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 100 steps, 2 rounds; writes only with --out"
-    )
-    parser.add_argument("--out", type=Path, default=None, help=f"Markdown output (default {DEFAULT_OUT})")
+    add_output_options(parser, "smoke run: 100 steps, 2 rounds; writes only with --out", DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.rounds, args.warmup = 100, 2, 10
-    # A smoke run must not overwrite the full results unless asked to.
-    if args.out is None and not args.quick:
-        args.out = DEFAULT_OUT
+    args.out = output_path(args, DEFAULT_OUT)
     if args.steps <= args.warmup + 1:
         parser.error(f"--steps must exceed --warmup + 1 ({args.warmup + 1})")
     if args.rounds < 1:
@@ -453,11 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     timed = [c for c in all_contenders if not c.skipped]
     measure(timed, dataset, args.steps, args.rounds, args.warmup)
     table = render(all_contenders, args.steps, args.rounds, args.warmup, load_before)
-    print(table)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
-        print(f"written to {args.out}", file=sys.stderr)
+    publish(table, args.out)
     return 0
 
 

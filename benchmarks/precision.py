@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +46,17 @@ import torch.nn.functional as F
 from torch.utils.data import default_collate
 
 import leantrain as lt
+from _common import (
+    add_output_options,
+    current_rss_kib,
+    load_now,
+    output_path,
+    peak_rss_kib,
+    publish,
+    ranged,
+    reset_peak_rss,
+    run_probe_script,
+)
 from leantrain.data.loader import move_to_device
 from leantrain.examples.charlm import CharLMTask
 from leantrain.precision import make_precision
@@ -280,30 +290,6 @@ def state_bytes(task: CharLM, mode: str) -> StateBytes:
 # 3. Peak process memory, one fresh subprocess per mode
 
 
-def current_rss_kib() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-
-
-def peak_rss_kib() -> int:
-    """The process's peak resident set since exec (or the last reset): VmHWM, in KiB."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def reset_peak_rss() -> bool:
-    """Reset the high-water mark to the current RSS (Linux >= 4.0), so set-up peaks do not count."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-    except OSError:
-        return False
-    return True
-
-
 def rss_probe(mode: str, steps: int, warm: bool, out: Path) -> None:
     """The subprocess: train ``steps`` steps of ``mode``, write its RSS figures to ``out``."""
     torch.set_num_threads(THREADS)
@@ -313,8 +299,7 @@ def rss_probe(mode: str, steps: int, warm: bool, out: Path) -> None:
         # thread-pool set-up, lazily loaded code), whatever the size and the mode: pay it here.
         train(task, mode, 2, StepClock(2), batch_size=2)
     gc.collect()
-    if not reset_peak_rss():
-        raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs)")
+    reset_peak_rss()
     before = current_rss_kib()
     clock = StepClock(steps)
     result = train(task, mode, steps, clock)
@@ -339,12 +324,8 @@ class Rss:
 
 
 def run_probe(mode: str, steps: int, warm: bool, out: Path) -> dict[str, int]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--rss-probe", mode, "--steps", str(steps)]
-    command += ["--probe-out", str(out), *(["--rss-warm"] if warm else [])]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"RSS probe {' '.join(command[1:])} failed:\n{done.stdout}\n{done.stderr}")
-    return json.loads(out.read_text())
+    arguments = ["--rss-probe", mode, "--steps", str(steps), "--probe-out", str(out)]
+    return run_probe_script(Path(__file__).resolve(), [*arguments, *(["--rss-warm"] if warm else [])], out)
 
 
 def measure_rss(steps: int, repetitions: int, scratch: Path) -> list[Rss]:
@@ -378,11 +359,6 @@ def measure_rss(steps: int, repetitions: int, scratch: Path) -> list[Rss]:
 # Report
 
 
-def load_now() -> str:
-    """The 1-minute load average: other work on the machine is the first suspect of noise."""
-    return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
-
-
 def cpu_description() -> tuple[str, dict[str, bool]]:
     model, flags = platform.processor() or platform.machine(), set()
     try:
@@ -397,13 +373,6 @@ def cpu_description() -> tuple[str, dict[str, bool]]:
     except OSError:
         pass
     return model, {flag: flag in flags for flag in CPU_FLAGS}
-
-
-def ranged(values: Sequence[float], digits: int) -> str:
-    middle = statistics.median(values)
-    if len(values) == 1 or max(values) - min(values) < 0.5 * 10**-digits:
-        return f"{middle:.{digits}f}"
-    return f"{middle:.{digits}f} [{min(values):.{digits}f} to {max(values):.{digits}f}]"
 
 
 def mib(count: int) -> str:
@@ -627,12 +596,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rss-repetitions", type=int, default=2, help="peak-memory subprocesses per mode (default 2)"
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: 14 steps, 2 rounds, 1 peak-memory run of 12 steps; writes only with --out",
+    add_output_options(
+        parser,
+        "smoke run: 14 steps, 2 rounds, 1 peak-memory run of 12 steps; writes only with --out",
+        DEFAULT_OUT,
     )
-    parser.add_argument("--out", type=Path, default=None, help=f"Markdown output (default {DEFAULT_OUT})")
     # Internal: the peak-memory subprocess.
     parser.add_argument("--rss-probe", choices=MODES, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--probe-out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -644,9 +612,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         return args
     if args.quick:
         args.steps, args.rounds, args.warmup, args.rss_steps, args.rss_repetitions = 14, 2, 10, 12, 1
-    # A smoke run must not overwrite the full results unless asked to.
-    if args.out is None and not args.quick:
-        args.out = DEFAULT_OUT
+    args.out = output_path(args, DEFAULT_OUT)
     if args.steps <= args.warmup + 1:
         parser.error(f"--steps must exceed --warmup + 1 ({args.warmup + 1})")
     if args.rounds < 1 or args.rss_repetitions < 1 or args.rss_steps < 1:
@@ -670,11 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rss = measure_rss(args.rss_steps, args.rss_repetitions, Path(scratch))
     minutes = (time.perf_counter() - started) / 60
     table = render(timed, states, rss, kernels, args, load_before, minutes)
-    print(table)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table)
-        print(f"written to {args.out}", file=sys.stderr)
+    publish(table, args.out)
     return 0
 
 
