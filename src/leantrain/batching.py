@@ -208,7 +208,6 @@ class Accumulator:
                     "the other processes cannot be told; set a smaller micro_batch_size"
                 ) from error
         # Out of the except clause: the traceback, and with it the partial graph, is freed.
-        args[-1].clear()  # the step's losses
         if not self._agreed:
             self.agree_on_oom(True)  # type: ignore[misc]
         return False

@@ -345,9 +345,7 @@ class _Run:
 
     def _account_memory(self, activation_bytes: int) -> None:
         """Log what the memory is spent on, once, after the first step (the optimizer state exists)."""
-        model_ids = {id(p) for p in self.model.parameters()}
-        masters = [p for p in self.optimizer_params if id(p) not in model_ids]
-        self.memory = breakdown(self.model, masters, self.optimizer_params, self.optimizer, activation_bytes)
+        self.memory = breakdown(self.model, self.optimizer_params, self.optimizer, activation_bytes)
         self.logger.message(self.memory.describe())
 
     def _skipped(self, step: int, status: StepStatus) -> None:

@@ -14,7 +14,7 @@ tensor is counted once however many views of it exist: a view is counted as its 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any
@@ -109,14 +109,17 @@ class MemoryBreakdown:
 
 def breakdown(
     model: torch.nn.Module,
-    extra_params: Iterable[torch.Tensor],
-    optimizer_params: Iterable[torch.Tensor],
+    optimizer_params: Sequence[torch.Tensor],
     optimizer: torch.optim.Optimizer,
     activation_bytes: int,
 ) -> MemoryBreakdown:
-    """The breakdown of a model whose optimizer has stepped; ``extra_params``: master copies."""
+    """The breakdown of a model whose optimizer has stepped.
+
+    Parameters the optimizer updates that are not the model's (the fp32 masters of the true
+    16-bit modes) count as parameters too.
+    """
     return MemoryBreakdown(
-        params_bytes=tensor_bytes([*model.parameters(), *extra_params]),
+        params_bytes=tensor_bytes([*model.parameters(), *optimizer_params]),
         grads_bytes=gradient_bytes(optimizer_params),
         optimizer_bytes=optimizer_state_bytes(optimizer),
         activation_bytes=activation_bytes,

@@ -15,7 +15,6 @@ code path a GPU run takes, which is how it is tested here.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import default_collate
 
 from leantrain.batching import BatchPlan
 from leantrain.checkpoint import capture_rng, restore_rng
@@ -31,7 +30,7 @@ from leantrain.config import TrainConfig
 from leantrain.data.loader import move_to_device
 from leantrain.errors import LeantrainError
 from leantrain.memory.accountant import SavedActivations, format_bytes, parse_bytes
-from leantrain.memory.plan import measure
+from leantrain.memory.plan import first_items, measure
 from leantrain.parallel.env import ClusterEnv
 from leantrain.precision import Precision
 from leantrain.task import LossSum
@@ -181,7 +180,7 @@ class MicroBatchSizer:
                 f"there is on {self.device.type}"
             )
         choices = plan.micro_batch_choices()
-        items = _first_items(dataset, plan.per_rank_batch_size)
+        items = first_items(dataset, plan.per_rank_batch_size)
         loss_fn = self.enforce_budget(self.task.loss)
         tried: list[int] = []
 
@@ -239,9 +238,3 @@ def scale_learning_rates(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> 
         f"learning rates x {factor:.4g} ({cfg.lr_scaling} scaling: global batch {cfg.global_batch_size} "
         f"for a reference of {cfg.reference_batch_size})"
     )
-
-
-def _first_items(dataset: Any, count: int) -> list[Any]:
-    if isinstance(dataset, IterableDataset):
-        return list(itertools.islice(iter(dataset), count))
-    return [dataset[i] for i in range(min(count, len(dataset)))]

@@ -15,6 +15,7 @@ CUDA context are not in it: that is what the safety margin is for.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,13 +93,10 @@ def candidate_micro_batches(per_rank_batch: int) -> list[int]:
     return sorted({*sizes, per_rank_batch})
 
 
-def _first_items(dataset: Any, count: int) -> list[Any]:
+def first_items(dataset: Any, count: int) -> list[Any]:
+    """The first ``count`` items of a map-style dataset or a stream; TaskError when it has fewer."""
     if isinstance(dataset, IterableDataset):
-        items = []
-        for item in dataset:
-            items.append(item)
-            if len(items) == count:
-                break
+        items = list(itertools.islice(iter(dataset), count))
     else:
         items = [dataset[i] for i in range(min(count, len(dataset)))]
     if len(items) < count:
@@ -149,14 +147,12 @@ def measure(
         raise TaskError(
             f"plan runs the task's optimizer on the meta device, and it failed: {error}"
         ) from error
-    model_ids = {id(p) for p in model.parameters()}
-    masters = [p for p in optimizer_params if id(p) not in model_ids]
-    state = breakdown(model, masters, optimizer_params, optimizer, activation_bytes=0)
+    state = breakdown(model, optimizer_params, optimizer, activation_bytes=0)
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fake_copy_of_parameters(model, mode)
     model.train()
-    items = _first_items(task.train_data(), max(micro_sizes))
+    items = first_items(task.train_data(), max(micro_sizes))
     rows = []
     for size in micro_sizes:
         batch = move_to_device(default_collate(items[:size]), CPU, dtype=precision.input_dtype)
