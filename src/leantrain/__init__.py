@@ -32,5 +32,9 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "__version__",
+    "diagnose",
     "load_task",
 ]
+
+# Imported last: the diagnostics build on the Trainer. ``lt.diagnose.HostSyncs`` and friends.
+from leantrain import diagnose

@@ -1,4 +1,5 @@
-"""The ``leantrain`` command: ``fit``, ``plan``, ``cache``, ``launch``, ``slurm``, ``examples``, ``export``.
+"""The ``leantrain`` command: ``fit``, ``doctor``, ``plan``, ``cache``, ``launch``, ``slurm``, ``examples``,
+``export``.
 
 Every :class:`TrainConfig` field is a hyphenated ``fit`` flag and a key of the YAML file
 given with ``--config``; the flags are generated from the dataclass, grouped as its
@@ -26,6 +27,8 @@ from leantrain.checkpoint import export_checkpoint
 from leantrain.config import GROUPS, TrainConfig, coerce, metavar
 from leantrain.data.cache import prepare_cache, task_source
 from leantrain.data.workers import auto_workers
+from leantrain.diagnose.doctor import DEFAULT_STEPS, DEFAULT_WARMUP, TRACED_STEPS, Diagnosis, run_doctor
+from leantrain.diagnose.report import print_report, write_html
 from leantrain.errors import ConfigError, LeantrainError, RunInterrupted, TaskError
 from leantrain.examples import DEFAULT_EXAMPLE, EXAMPLES, load_example
 from leantrain.memory.accountant import format_bytes, parse_bytes
@@ -98,7 +101,53 @@ def build_parser() -> ArgumentParser:
     commands.add_subcommand(
         "cache", _cache_parser(), help="preprocess a task's data once into a memory-mapped cache"
     )
+    commands.add_subcommand(
+        "doctor", _doctor_parser(), help="measure where a run's time and memory go, and what to change"
+    )
     return parser
+
+
+def _doctor_parser() -> ArgumentParser:
+    parser = _fit_parser()
+    parser.description = (
+        "Train a few steps with instruments: time per step by phase, MFU, memory by kind, host syncs "
+        "and retained graphs in your code; then a verdict and advice ranked by payoff."
+    )
+    doctor = parser.add_argument_group("Doctor")
+    doctor.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="timed steps (after the warm-up)")
+    doctor.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP, help="steps run before timing")
+    doctor.add_argument("--report", default=None, help="also write a self-contained HTML report here")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    doctor.add_argument(
+        "--trace", default=None, help=f"also write a torch.profiler trace of {TRACED_STEPS} steps into DIR"
+    )
+    return parser
+
+
+def run_doctor_command(values: dict[str, Any], console: Console) -> Diagnosis:
+    steps, warmup = values.pop("steps"), values.pop("warmup_steps")
+    report, as_json, trace = values.pop("report"), values.pop("json"), values.pop("trace")
+    if steps < 1:
+        raise ConfigError("steps", steps, "must be a positive integer")
+    if warmup < 1:
+        raise ConfigError("warmup_steps", warmup, "must be a positive integer (step 1 is never timed)")
+    cfg = config_from_args(values)
+    task, name = resolve_task(values.get("task"), values.get("example"))
+    task_flags = f"--task {values['task']}" if values.get("task") else f"--example {name}"
+    if as_json and cfg.progress == "auto":
+        cfg = dataclasses.replace(cfg, progress="none")  # stdout carries the JSON alone
+    diagnosis = run_doctor(task, cfg, steps, warmup, trace, name, task_flags)
+    if not detect().is_main:
+        return diagnosis
+    if as_json:
+        print(json.dumps(diagnosis.as_dict()))
+    else:
+        print_report(diagnosis, Console(width=max(console.width, 110)))
+    if report:
+        written = write_html(diagnosis, report)
+        if not as_json:
+            console.print(f"report: {written}")
+    return diagnosis
 
 
 def _plan_parser() -> ArgumentParser:
@@ -334,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_plan(namespace.plan.as_dict(), console)
         elif namespace.command == "cache":
             run_cache(namespace.cache.as_dict(), console)
+        elif namespace.command == "doctor":
+            run_doctor_command(namespace.doctor.as_dict(), console)
         elif namespace.command == "export":
             written = export_checkpoint(namespace.export.checkpoint, namespace.export.out)
             console.print(f"wrote {written}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -47,9 +47,9 @@ from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, break
 from leantrain.memory.adaptive import MicroBatchSizer, scale_learning_rates
 from leantrain.memory.checkpointing import CheckpointPolicy, apply_activation_checkpointing
 from leantrain.memory.plan import fewest_checkpointed_blocks
-from leantrain.parallel.apply import init_process_group, parallelize, resolve_strategy
+from leantrain.parallel.apply import SingleProcess, init_process_group, parallelize, resolve_strategy
 from leantrain.parallel.env import ClusterEnv, detect
-from leantrain.precision import make_precision
+from leantrain.precision import Precision, make_precision
 from leantrain.runtime import (
     StopSignals,
     derived_seed,
@@ -79,6 +79,43 @@ class Callback(Protocol):
     def on_step(self, stats: StepStats) -> None: ...
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+
+class Instruments(Protocol):
+    """Measurement seam (``leantrain doctor``): wraps the run's pieces once, when they are built.
+
+    Each method returns its argument or a wrapper with the same interface; the loop never
+    asks whether it is measured. A plain run uses ``NoInstruments``, which wraps nothing.
+    """
+
+    def precision(self, precision: Precision) -> Precision: ...
+
+    def parallel(self, plan: SingleProcess) -> SingleProcess: ...
+
+    def loss(self, loss_fn: Any) -> Any: ...
+
+    def loader(self, batches: Iterable[Any]) -> Iterable[Any]: ...
+
+    def batches(self, batches: Iterator[Any]) -> Iterator[Any]: ...
+
+
+class NoInstruments:
+    """Measures nothing: every piece is used as it is."""
+
+    def precision(self, precision: Precision) -> Precision:
+        return precision
+
+    def parallel(self, plan: SingleProcess) -> SingleProcess:
+        return plan
+
+    def loss(self, loss_fn: Any) -> Any:
+        return loss_fn
+
+    def loader(self, batches: Iterable[Any]) -> Iterable[Any]:
+        return batches
+
+    def batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        return batches
 
 
 @dataclass
@@ -117,9 +154,15 @@ class FitResult:
 class Trainer:
     """Trains a :class:`~leantrain.task.Task` as the :class:`TrainConfig` says."""
 
-    def __init__(self, config: TrainConfig | None = None, callbacks: Sequence[Callback] = ()) -> None:
+    def __init__(
+        self,
+        config: TrainConfig | None = None,
+        callbacks: Sequence[Callback] = (),
+        instruments: Instruments | None = None,
+    ) -> None:
         self.config = config or TrainConfig()
         self.callbacks = list(callbacks)
+        self.instruments = instruments or NoInstruments()
 
     def fit(self, task: Any, name: str | None = None) -> FitResult:
         """Train ``task``; ``name`` labels the default run folder (default: the task's class name).
@@ -139,7 +182,7 @@ class Trainer:
         try:
             with deterministic_kernels(cfg.deterministic), matmul_reduction(cfg.reduced_precision_reduction):
                 seed_everything(cfg.seed)
-                run = _Run(cfg, task, device, run_dir, env, strategy, started)
+                run = _Run(cfg, task, device, run_dir, env, strategy, started, self.instruments)
                 try:
                     with StopSignals() as signals:
                         run.train(self.callbacks, signals)
@@ -173,12 +216,14 @@ class _Run:
         env: ClusterEnv,
         strategy: str,
         started: float,
+        instruments: Instruments,
     ) -> None:
         self.cfg, self.task, self.device, self.run_dir, self.env = cfg, task, device, run_dir, env
         self.started = started  # perf_counter() when fit() began
+        self.instruments = instruments
         self.plan = BatchPlan.from_config(cfg, world_size=env.world_size)
         self.model = _build_model(task, device)  # unwrapped: state dicts and weights
-        self.precision = make_precision(cfg.precision, device)
+        self.precision = instruments.precision(make_precision(cfg.precision, device))
         # Before any wrapper: true 16-bit converts the model; the optimizer gets the fp32 masters.
         self.optimizer_params = optimizer_params = self.precision.prepare(self.model)
         self.memory: MemoryBreakdown | None = None
@@ -194,7 +239,7 @@ class _Run:
                 self.model, CheckpointPolicy.parse(checkpointing)
             )
         self.strategy = strategy
-        self.parallel = parallelize(self.model, strategy, device)
+        self.parallel = instruments.parallel(parallelize(self.model, strategy, device))
         if env.distributed:
             # Every rank drew the same initial weights above (DDP also broadcasts rank 0's).
             # From here on each rank draws its own numbers: dropout masks must differ by rank.
@@ -276,7 +321,7 @@ class _Run:
             # The old wrapper's reducer still hooks the parameters: it must be gone first.
             self.parallel = self.accumulator = None  # type: ignore[assignment]
             gc.collect()
-            self.parallel = parallelize(self.model, self.strategy, self.device)
+            self.parallel = self.instruments.parallel(parallelize(self.model, self.strategy, self.device))
         self.accumulator = self._make_accumulator()
         self.train_loader, _, _ = build_train_loader(
             self.data, self.cfg, self.env, self.plan, self.total_steps, step, self.pin_memory
@@ -285,12 +330,16 @@ class _Run:
             f"{reason} at step {step + 1}: micro-batch {old} -> {self.plan.micro_batch_size} "
             f"(x {self.plan.accumulation_steps} accumulation); the global batch and the optimisation stay"
         )
-        return device_batches(self.train_loader, self.device, self.precision.input_dtype)
+        return self._device_batches()
+
+    def _device_batches(self) -> Iterator[Any]:
+        loader = self.instruments.loader(self.train_loader)
+        return self.instruments.batches(device_batches(loader, self.device, self.precision.input_dtype))
 
     def train(self, callbacks: Sequence[Callback], signals: StopSignals) -> None:
         cfg, optimizer = self.cfg, self.optimizer
-        loss_fn = self.sizer.enforce_budget(_with_augmentation(self.task))
-        batches = device_batches(self.train_loader, self.device, self.precision.input_dtype)
+        loss_fn = self.instruments.loss(self.sizer.enforce_budget(_with_augmentation(self.task)))
+        batches = self._device_batches()
         self.parallel.module.train()
         if self._saved_rng is not None:
             restore_rng(self._saved_rng)  # last, after everything that draws random numbers at set-up

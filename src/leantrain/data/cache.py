@@ -116,6 +116,26 @@ def fingerprint(dataset: Dataset, source: str) -> dict[str, Any]:
             "items_sha256": digest.hexdigest()}  # fmt: skip
 
 
+def items_repeat(dataset: Dataset, index: int = 0) -> bool:
+    """Whether loading item ``index`` twice gives the same values: a cache would keep the data as is.
+
+    An item drawn with fresh randomness on every load (random augmentation in
+    ``__getitem__``) would be frozen by a cache. The caller's random state is restored.
+    """
+    saved = capture_rng()
+    try:
+        first = _flatten(dataset[index])
+        second = _flatten(dataset[index])
+    finally:
+        restore_rng(saved)
+    if first[0] != second[0] or len(first[1]) != len(second[1]):
+        return False
+    return all(
+        a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+        for (_, a), (_, b) in zip(first[1], second[1], strict=True)
+    )
+
+
 class CachedDataset(Dataset):
     """The items of a complete cache folder, read from memory-mapped arrays."""
 

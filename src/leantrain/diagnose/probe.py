@@ -1,0 +1,203 @@
+"""The doctor's instruments: a Trainer run measured in three stretches of steps.
+
+1. **warm-up** steps are not measured (worker start-up, first-step allocations);
+2. **timed** steps: the phase timer only, which costs a few clock reads per micro-batch;
+3. **audited** steps: host syncs and retained graphs (TorchFunctionModes, slow per operation)
+   and FLOPs (``FlopCounterMode``); never timed. The graphs recorded in the first audited
+   step are looked at after the second: whatever is still alive outlived a whole step.
+4. optionally **traced** steps under ``torch.profiler``.
+
+The probe plugs into the Trainer through its ``Instruments`` seam (it wraps the precision,
+the loss function, the loader and the batches when they are built) and its ``on_step``
+callback (the step boundaries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.flop_counter import FlopCounterMode
+
+from leantrain.diagnose.syncs import HostSyncs, RetainedGraphs
+from leantrain.diagnose.timer import PhaseTimer
+
+
+@dataclass(frozen=True)
+class Schedule:
+    warmup: int
+    timed: int
+    traced: int = 0
+    audited: int = 2  # record graphs in the first, look at them after the second
+
+    @property
+    def total(self) -> int:
+        return self.warmup + self.timed + self.audited + self.traced
+
+
+class StepProbe:
+    """Implements the Trainer's ``Instruments`` and ``Callback.on_step`` for the doctor."""
+
+    def __init__(self, device: torch.device, schedule: Schedule, trace_dir: Path | None = None) -> None:
+        self.schedule = schedule
+        self.timer = PhaseTimer(device)
+        self.timer.enabled = False
+        self.syncs = HostSyncs(device)
+        self.graphs = RetainedGraphs()
+        self.flop_counter = FlopCounterMode(display=False)
+        self.trace_dir = trace_dir
+        self.flops_per_step = 0
+        self.retained: list = []
+        self.audited_steps = 0
+        self.backward_calls = 0  # in the timed steps
+        self.backwards_with_all_reduce = 0  # of those, the ones that launched an all-reduce
+        self._data_seconds = 0.0  # the wait for the batch being moved to the device
+        self._launches: list[Any] = []  # clock marks of the all-reduces of the running backward
+        self._modes = ExitStack()
+        self._profiler: torch.profiler.profile | None = None
+
+    # -- Instruments: called once by the Trainer when it builds each piece --------------
+
+    def precision(self, precision: Any) -> Any:
+        return _TimedPrecision(precision, self)
+
+    def parallel(self, plan: Any) -> Any:
+        if isinstance(plan.module, DistributedDataParallel):
+            plan.module.register_comm_hook(None, self._timed_all_reduce)
+        return plan
+
+    def loss(self, loss_fn: Any) -> Any:
+        timer = self.timer
+
+        def timed_loss(model: torch.nn.Module, batch: Any) -> Any:
+            with timer.phase("forward"):
+                return loss_fn(model, batch)
+
+        return timed_loss
+
+    def loader(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Host time spent waiting for each batch (the sync detector looks away meanwhile)."""
+        timer, syncs = self.timer, self.syncs
+        iterator = iter(batches)
+        while True:
+            syncs.paused = True
+            start = timer.mark(host=True)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                syncs.paused = False
+            end = timer.mark(host=True)
+            timer.add_interval("data", start, end, host=True)
+            self._data_seconds = end - start
+            yield batch
+
+    def batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Host time to have each batch on the device, less the wait for data inside it."""
+        timer = self.timer
+        while True:
+            self._data_seconds = 0.0
+            start = timer.mark(host=True)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            outside_data = timer.mark(host=True) - start - self._data_seconds
+            timer.add_seconds("h2d", max(outside_data, 0.0))
+            yield batch
+
+    def _timed_all_reduce(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+        self._launches.append(self.timer.mark())
+        return default_hooks.allreduce_hook(None, bucket)
+
+    # -- the step boundaries ------------------------------------------------------------
+
+    def on_step(self, stats: Any) -> None:
+        done, plan, timer = stats.step, self.schedule, self.timer
+        timed_end = plan.warmup + plan.timed
+        if done == plan.warmup:
+            timer.enabled = True
+            timer.restart_step()
+        elif plan.warmup < done <= timed_end:
+            timer.end_step()
+            if done == timed_end:
+                timer.enabled = False
+                self._modes.enter_context(self.syncs)
+                self._modes.enter_context(self.graphs)
+                self._modes.enter_context(self.flop_counter)
+        elif done == timed_end + 1:
+            self.flops_per_step = int(self.flop_counter.get_total_flops())
+            self._modes.close()  # the graph recorder and the flop counter stop; the syncs go on
+            self._modes.enter_context(self.syncs)
+            self.audited_steps = 1
+        elif done == timed_end + 2:
+            self._modes.close()
+            self.audited_steps = 2
+            self.retained = self.graphs.alive()
+            self.graphs.forget()
+            if plan.traced and self.trace_dir is not None:
+                self._start_trace()
+        elif done == timed_end + 2 + plan.traced and self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            self._profiler = None
+
+    def _start_trace(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(
+            activities=activities,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.trace_dir)),
+        )
+        self._profiler.__enter__()
+
+    def close(self) -> None:
+        """Leave any mode or profiler still active (a run that ended early or failed)."""
+        self._modes.close()
+        if self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            self._profiler = None
+
+
+class _TimedPrecision:
+    """A Precision whose backward and optimizer step are timed; everything else passes through.
+
+    In a DDP backward, the gradient all-reduce overlaps the computation; after the last
+    bucket is launched only waiting is left. That tail is the *exposed* communication.
+    """
+
+    def __init__(self, inner: Any, probe: StepProbe) -> None:
+        self._inner = inner
+        self._probe = probe
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        probe, timer = self._probe, self._probe.timer
+        probe._launches = []
+        start = timer.mark()
+        self._inner.backward(loss)
+        end = timer.mark()
+        if timer.enabled:
+            probe.backward_calls += 1
+        if probe._launches:
+            last_launch = probe._launches[-1]
+            timer.add_interval("backward", start, last_launch)
+            timer.add_interval("communication", last_launch, end)
+            if timer.enabled:
+                probe.backwards_with_all_reduce += 1
+        else:
+            timer.add_interval("backward", start, end)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        with self._probe.timer.phase("optimizer"):
+            self._inner.step(optimizer)

@@ -1,0 +1,246 @@
+"""The doctor's outputs: a terminal report (rich), JSON, and a self-contained HTML page.
+
+The HTML page carries everything inline: charts as SVG drawn by matplotlib (text as
+paths, no fonts to fetch), styles in a <style> element, no scripts. A Content Security
+Policy in the page forbids any other load, so a browser shows it offline and refuses
+anything a later change might add by mistake.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import os
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from leantrain.diagnose.doctor import Diagnosis
+from leantrain.diagnose.timer import PHASES
+from leantrain.files import atomic_write
+from leantrain.memory.accountant import format_bytes
+
+PHASE_COLOURS = {
+    "data": "#d62728",
+    "h2d": "#ff7f0e",
+    "forward": "#1f77b4",
+    "backward": "#2ca02c",
+    "communication": "#9467bd",
+    "optimizer": "#8c564b",
+    "other": "#7f7f7f",
+}
+MEMORY_KINDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")
+CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
+
+
+def short_path(path: str) -> str:
+    """A path relative to the working folder when it lies below it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def headline(d: Diagnosis) -> str:
+    f = d.facts
+    return (
+        f"{d.verdict}: {d.phases['total'] * 1000:,.1f} ms per step, {d.samples_per_second:,.0f} samples/s, "
+        f"MFU {d.mfu:.1%} ({f.precision}, micro-batch {f.micro_batch_size} x {f.accumulation_steps}, "
+        f"{f.num_workers} workers, {f.world_size} process(es), {f.device_type})"
+    )
+
+
+def print_report(d: Diagnosis, console: Console) -> None:
+    console.print(f"[bold]verdict: {headline(d)}[/bold]")
+    schedule = d.schedule
+    phases = Table(title=f"time per step by phase: mean of {schedule.timed} steps after {schedule.warmup}")
+    for column in ("phase", "ms/step", "share"):
+        phases.add_column(column, justify="left" if column == "phase" else "right")
+    total = max(d.phases["total"], 1e-12)
+    for phase in PHASES:
+        phases.add_row(phase, f"{d.phases[phase] * 1000:,.2f}", f"{d.phases[phase] / total:.0%}")
+    phases.add_row("[bold]step[/bold]", f"{total * 1000:,.2f}", "100%")
+    console.print(phases)
+    console.print(
+        f"FLOPs per step {d.flops_per_step:,.3g}; peak {d.peak.flops_per_second / 1e12:,.2f} TFLOP/s "
+        f"({d.peak.dtype}, {d.peak.source}); MFU {d.mfu:.1%}"
+    )
+    if d.memory is not None:
+        parts = ", ".join(
+            f"{kind.removesuffix('_bytes')} {format_bytes(getattr(d.memory, kind))}" for kind in MEMORY_KINDS
+        )
+        console.print(
+            f"memory: {parts}; total {format_bytes(d.memory.total_bytes)}; "
+            f"process peak {format_bytes(d.peak_memory_bytes)}"
+        )
+    _print_findings(d, console)
+    if not d.advice:
+        console.print("advice: nothing to change found")
+    for rank, advice in enumerate(d.advice, 1):
+        console.print(f"[bold]{rank}. {advice.title}[/bold]", highlight=False)
+        console.print(f"   evidence: {advice.evidence}", highlight=False)
+        console.print(f"   change:   {advice.change}", highlight=False, markup=False)
+        console.print(f"   expected: {advice.expected_gain}", highlight=False)
+    if d.trace_dir:
+        console.print(f"profiler trace of {schedule.traced} steps in {d.trace_dir} (TensorBoard or Perfetto)")
+
+
+def _print_findings(d: Diagnosis, console: Console) -> None:
+    steps = max(d.audited_steps, 1)
+    if d.host_syncs:
+        table = Table(title=f"host syncs in your code (counted over {steps} steps)")
+        for column in ("call", "where", "per step"):
+            table.add_column(column)
+        for sync in d.host_syncs:
+            table.add_row(sync.call, f"{short_path(sync.file)}:{sync.line}", f"{sync.per_step(steps):g}")
+        console.print(table)
+    else:
+        console.print("host syncs in your code: none")
+    if d.retained_graphs:
+        table = Table(title="tensors with autograd graphs alive a step after they were made")
+        for column in ("created at", "tensors", "their bytes"):
+            table.add_column(column)
+        for graph in d.retained_graphs:
+            where = f"{short_path(graph.file)}:{graph.line}"
+            table.add_row(where, str(graph.tensors), format_bytes(graph.bytes))
+        console.print(table)
+    else:
+        console.print("retained graphs: none")
+
+
+# -- HTML ---------------------------------------------------------------------------
+
+
+def _svg(figure: object) -> str:
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg", bbox_inches="tight")  # type: ignore[attr-defined]
+    text = buffer.getvalue()
+    return text[text.index("<svg") :]  # inline: no XML declaration or doctype
+
+
+def phase_chart(d: Diagnosis) -> str:
+    """Stacked bars: milliseconds per phase for every timed step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.fonttype"] = "path"  # text drawn as paths: no font to load
+    figure, axes = plt.subplots(figsize=(8, 3.2))
+    steps = list(range(d.schedule.warmup + 1, d.schedule.warmup + 1 + len(d.step_phases)))
+    bottom = [0.0] * len(steps)
+    for phase in PHASES:
+        values = [row[phase] * 1000 for row in d.step_phases]
+        if any(values):
+            axes.bar(steps, values, bottom=bottom, color=PHASE_COLOURS[phase], label=phase, width=0.8)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    axes.set_xlabel("step")
+    axes.set_ylabel("ms")
+    axes.set_title("time per step by phase")
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    axes.spines[["top", "right"]].set_visible(False)
+    try:
+        return _svg(figure)
+    finally:
+        plt.close(figure)
+
+
+def memory_chart(d: Diagnosis) -> str:
+    """Horizontal bars: bytes by kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.fonttype"] = "path"
+    assert d.memory is not None
+    labels = [kind.removesuffix("_bytes") for kind in MEMORY_KINDS]
+    values = [getattr(d.memory, kind) / 2**20 for kind in MEMORY_KINDS]
+    figure, axes = plt.subplots(figsize=(8, 2.2))
+    bars = axes.barh(labels, values, color=["#1f77b4", "#2ca02c", "#8c564b", "#ff7f0e"])
+    axes.bar_label(bars, labels=[format_bytes(getattr(d.memory, k)) for k in MEMORY_KINDS], padding=3)
+    axes.invert_yaxis()
+    axes.set_xlabel("MiB")
+    axes.set_title(f"memory by kind (total {format_bytes(d.memory.total_bytes)})")
+    axes.spines[["top", "right"]].set_visible(False)
+    try:
+        return _svg(figure)
+    finally:
+        plt.close(figure)
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 62rem; margin: 2rem auto; color: #222; }
+h1 { font-size: 1.5rem; } h2 { font-size: 1.15rem; margin-top: 2rem; }
+.verdict { font-size: 1.2rem; padding: .6rem 1rem; background: #fff4e0; border-left: 4px solid #e69500; }
+table { border-collapse: collapse; margin: .5rem 0; }
+td, th { padding: .25rem .7rem; border-bottom: 1px solid #ddd; text-align: left; vertical-align: top; }
+td.n { text-align: right; font-variant-numeric: tabular-nums; }
+code { background: #f3f3f3; padding: 0 .2rem; }
+ol li { margin-bottom: .8rem; }
+.chart svg { max-width: 100%; height: auto; }
+"""
+
+
+def _rows(rows: list[list[str]], numeric_from: int = 1) -> str:
+    out = []
+    for row in rows:
+        cells = "".join(
+            f'<td class="n">{html.escape(c)}</td>' if i >= numeric_from else f"<td>{html.escape(c)}</td>"
+            for i, c in enumerate(row)
+        )
+        out.append(f"<tr>{cells}</tr>")
+    return "".join(out)
+
+
+def _table(headers: list[str], rows: str) -> str:
+    if not rows:
+        return "<p>None.</p>"
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    return f"<table><tr>{head}</tr>{rows}</table>"
+
+
+def render_html(d: Diagnosis) -> str:
+    total = max(d.phases["total"], 1e-12)
+    phase_rows = [[p, f"{d.phases[p] * 1000:,.2f}", f"{d.phases[p] / total:.0%}"] for p in PHASES]
+    steps = max(d.audited_steps, 1)
+    syncs = _rows(
+        [[s.call, f"{short_path(s.file)}:{s.line}", f"{s.per_step(steps):g}"] for s in d.host_syncs], 2
+    )
+    graphs = _rows(
+        [[f"{short_path(g.file)}:{g.line}", str(g.tensors), format_bytes(g.bytes)] for g in d.retained_graphs]
+    )
+    advice = "".join(
+        f"<li><b>{html.escape(a.title)}</b><br>evidence: {html.escape(a.evidence)}<br>"
+        f"change: <code>{html.escape(a.change)}</code><br>expected: {html.escape(a.expected_gain)}</li>"
+        for a in d.advice
+    )
+    memory = "" if d.memory is None else f'<h2>Memory</h2><div class="chart">{memory_chart(d)}</div>'
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="{CSP}">
+<title>leantrain doctor: {html.escape(d.verdict)}</title><style>{_STYLE}</style></head>
+<body>
+<h1>leantrain doctor</h1>
+<p class="verdict">{html.escape(headline(d))}</p>
+<h2>Advice, in the order to try it</h2>
+{f"<ol>{advice}</ol>" if advice else "<p>Nothing to change found.</p>"}
+<h2>Time per step by phase</h2>
+<div class="chart">{phase_chart(d)}</div>
+{_table(["phase", "ms/step", "share"], _rows(phase_rows))}
+<p>FLOPs per step {d.flops_per_step:,}; peak {d.peak.flops_per_second / 1e12:,.2f} TFLOP/s
+({html.escape(d.peak.dtype)}, {html.escape(d.peak.source)}); MFU {d.mfu:.1%}.</p>
+{memory}
+<h2>Host syncs in your code</h2>
+{_table(["call", "where", "per step"], syncs)}
+<h2>Retained graphs</h2>
+{_table(["created at", "tensors", "bytes"], graphs)}
+</body></html>
+"""
+
+
+def write_html(d: Diagnosis, path: str | Path) -> Path:
+    path = Path(path)
+    page = render_html(d)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: tmp.write_text(page, encoding="utf-8"))
+    return path
