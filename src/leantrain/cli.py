@@ -249,7 +249,7 @@ def run_cache(values: dict[str, Any], console: Console) -> None:
 
 def _launch_parser() -> ArgumentParser:
     parser = ArgumentParser(
-        description="Start `fit` as several processes with torchrun's elastic launcher: "
+        description="Start `fit` (or `doctor`) as several processes with torchrun's elastic launcher: "
         "leantrain launch --nproc-per-node 2 fit [fit flags]",
         exit_on_error=False,
     )
@@ -292,21 +292,24 @@ def _slurm_parser() -> ArgumentParser:
     return parser
 
 
-def _fit_arguments(values: dict[str, Any], command: str, world_size: int | None) -> list[str]:
-    """The flags after ``launch ... fit``, checked now: bad input fails before any process starts.
+def _fit_arguments(
+    values: dict[str, Any], command: str, world_size: int | None, commands: tuple[str, ...] = ("fit",)
+) -> tuple[str, list[str]]:
+    """The command (``fit``, or ``doctor`` where allowed) after ``launch ...`` and its flags,
+    checked now: bad input fails before any process starts.
 
     ``world_size``, when known, also checks that the batch splits over that many processes.
     """
     arguments = list(values.pop("fit_arguments"))
-    if not arguments or arguments[0] != "fit":
+    if not arguments or arguments[0] not in commands:
         raise LeantrainError(
-            f"{command} needs the command to run: leantrain {command} [options] fit [fit flags]"
+            f"{command} needs the command to run: leantrain {command} [options] {'|'.join(commands)} [flags]"
         )
-    parsed = build_parser().parse_args(arguments).fit.as_dict()
+    parsed = getattr(build_parser().parse_args(arguments), arguments[0]).as_dict()
     config = config_from_args(parsed)
     if world_size is not None:
         config.validate(world_size)
-    return arguments[1:]
+    return arguments[0], arguments[1:]
 
 
 def config_from_args(values: dict[str, Any]) -> TrainConfig:
@@ -368,11 +371,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             values = namespace.launch.as_dict()
             nodes = values["nnodes"]  # "N", or "MIN:MAX" for elastic membership (size unknown here)
             world = values["nproc_per_node"] * int(nodes) if str(nodes).isdigit() else None
-            fit_arguments = _fit_arguments(values, "launch", world)
-            return launch(LaunchOptions(**values), fit_arguments)
+            run, run_arguments = _fit_arguments(values, "launch", world, ("fit", "doctor"))
+            return launch(LaunchOptions(**values), run_arguments, run)
         elif namespace.command == "slurm":
             values = namespace.slurm.as_dict()
-            fit_arguments = _fit_arguments(values, "slurm", values["nodes"] * values["gpus_per_node"])
+            _, fit_arguments = _fit_arguments(values, "slurm", values["nodes"] * values["gpus_per_node"])
             dry_run = values.pop("dry_run")
             script = sbatch_script(SlurmOptions(**values), fit_arguments)
             if dry_run:

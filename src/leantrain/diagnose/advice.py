@@ -3,9 +3,10 @@
 Every rule reads ``RunFacts`` (what the run was set up with) and ``Measurements`` (what
 the doctor measured) and returns ``Advice`` with its evidence in numbers, the exact change,
 and the expected gain. ``advise`` ranks them the way a performance engineer tries them:
-first changes that keep the results as they are (``tier`` 0: a loader setting, a line of
-user code), then those that change numerics or need work (``tier`` 1: precision, a cache,
-the batch), each tier by expected speed-up. Rules for a user's own loop (workers restarting
+first leaks that will end the run (``tier`` 0: graphs kept alive), then changes that keep
+the results as they are (``tier`` 1: a loader setting, a line of user code), then those
+that change numerics or need work (``tier`` 2: precision, a cache, the batch), each tier
+by expected speed-up. Rules for a user's own loop (workers restarting
 every epoch, gradients all-reduced on every micro-batch) read the same facts.
 """
 
@@ -87,7 +88,7 @@ class Advice:
     evidence: str
     change: str
     expected_gain: str
-    tier: int = 0  # 0: results stay the same; 1: numerics, data or optimisation change
+    tier: int = 1  # 0: a leak; 1: results stay the same; 2: numerics, data or optimisation change
     speedup: float = 1.0  # the estimate the ranking uses (1.0: none measured)
 
     def as_dict(self) -> dict[str, Any]:
@@ -150,7 +151,7 @@ def more_workers(facts: RunFacts, m: Measurements) -> list[Advice]:
             f"{facts.num_workers} worker(s); {facts.available_cpus} CPUs are available",
             f"--num-workers auto  (here: {workers} workers; or --num-workers tune to measure)",
             f"up to {gain:.2f}x samples/s",
-            tier=0,
+            tier=1,
             speedup=gain,
         )
     ]
@@ -173,7 +174,7 @@ def threads_compete_with_workers(facts: RunFacts, m: Measurements) -> list[Advic
             "the compute threads spin-wait on cores the workers need",
             "OMP_NUM_THREADS=1 leantrain fit ...  (or torch.set_num_threads(1) in the task)",
             f"measured {THREADS_MEASURED_GAIN:.2f}x with 2 workers on 2 CPUs (benchmarks/results/data.md)",
-            tier=0,
+            tier=1,
             speedup=THREADS_MEASURED_GAIN,
         )
     ]
@@ -193,7 +194,7 @@ def cache_items(facts: RunFacts, m: Measurements) -> list[Advice]:
                 "Task.augment(batch) for the random part; then leantrain cache "
                 f"{facts.task_flags} --out DIR and --cache DIR",
                 f"up to {gain:.1f}x samples/s if the deterministic part is the expensive one",
-                tier=1,
+                tier=2,
                 speedup=gain,
             )
         ]
@@ -205,7 +206,7 @@ def cache_items(facts: RunFacts, m: Measurements) -> list[Advice]:
             f"leantrain cache {facts.task_flags} --out DIR, then fit --cache DIR "
             "(a preprocessing change needs a new cache)",
             f"up to {gain:.1f}x samples/s (the data wait removed)",
-            tier=1,
+            tier=2,
             speedup=gain,
         )
     ]
@@ -221,7 +222,7 @@ def workers_restart_every_epoch(facts: RunFacts, m: Measurements) -> list[Advice
             "(process start-up, the dataset copied to each)",
             "DataLoader(..., persistent_workers=True)  (leantrain's loaders always do this)",
             "the start-up time of every epoch after the first",
-            tier=0,
+            tier=1,
         )
     ]
 
@@ -237,7 +238,7 @@ def pin_memory_off(facts: RunFacts, m: Measurements) -> list[Advice]:
             f"(h2d {_ms(h2d)} per step, {m.share('h2d'):.0%})",
             "--pin-memory true",
             f"up to {_speedup(m.step, m.step - h2d):.2f}x (the copy overlaps compute)",
-            tier=0,
+            tier=1,
             speedup=_speedup(m.step, m.step - h2d),
         )
     ]
@@ -262,7 +263,7 @@ def host_syncs(facts: RunFacts, m: Measurements) -> list[Advice]:
                 f"{sync.call} runs {per_step:g} time(s) per step at {sync.file}:{sync.line}",
                 _SYNC_FIX.get(sync.call, _READ_LATER),
                 gain,
-                tier=0,
+                tier=1,
                 speedup=speedup,
             )
         )
@@ -311,7 +312,7 @@ def all_reduce_every_micro_batch(facts: RunFacts, m: Measurements) -> list[Advic
             f"gradients ({_ms(comm)} of exposed communication per step)",
             "run the forward and backward of non-final micro-batches inside model.no_sync()",
             f"up to {_speedup(m.step, m.step - saved):.2f}x",
-            tier=0,
+            tier=1,
             speedup=_speedup(m.step, m.step - saved),
         )
     ]
@@ -326,7 +327,7 @@ def data_parallel_wrapper(facts: RunFacts, m: Measurements) -> list[Advice]:
             "strategy dp replicates the model and scatters the inputs from one process every step",
             "leantrain launch --nproc-per-node N fit --strategy ddp ...",
             "one process per GPU, only gradients communicated, overlapped with backward",
-            tier=0,
+            tier=1,
         )
     ]
 
@@ -345,7 +346,7 @@ def communication(facts: RunFacts, m: Measurements) -> list[Advice]:
                 f"precision {facts.precision} keeps fp32 gradients",
                 "--precision bf16-true  (16-bit gradients: half the bytes; fp32 master weights)",
                 f"up to {gain:.2f}x",
-                tier=1,
+                tier=2,
                 speedup=gain,
             )
         )
@@ -359,7 +360,7 @@ def communication(facts: RunFacts, m: Measurements) -> list[Advice]:
             f"--global-batch-size {facts.global_batch_size * 2}  (the optimisation changes: "
             "retune the learning rate, or --lr-scaling)",
             f"up to {gain:.2f}x samples/s",
-            tier=1,
+            tier=2,
             speedup=gain,
         )
     )
@@ -382,7 +383,7 @@ def memory_limits(facts: RunFacts, m: Measurements) -> list[Advice]:
             "leantrain plan ... --memory-budget SIZE shows each option; then --activation-checkpointing "
             "auto, or --precision bf16-true",
             "a larger micro-batch fits (fewer, larger kernels); no more out-of-memory retries",
-            tier=1,
+            tier=2,
         )
     ]
 
@@ -409,7 +410,7 @@ def micro_batch_far_below_fit(facts: RunFacts, m: Measurements) -> list[Advice]:
             f"--micro-batch-size {best}  (or auto; the global batch and the results stay)",
             f"{facts.accumulation_steps} -> {per_process // best} micro-steps per step; "
             f"measure it: leantrain doctor --micro-batch-size {best}",
-            tier=0,
+            tier=1,
         )
     ]
 
@@ -427,7 +428,7 @@ def fp32_on_fast_16bit(facts: RunFacts, m: Measurements) -> list[Advice]:
             f"backward are {compute:.0%} of the step",
             "--precision bf16-mixed  (fp32 weights and optimizer; matmuls in bf16)",
             f"up to {gain:.2f}x",
-            tier=1,
+            tier=2,
             speedup=gain,
         )
     ]

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
@@ -114,7 +113,10 @@ class StepProbe:
             timer.add_seconds("h2d", max(outside_data, 0.0))
             yield batch
 
-    def _timed_all_reduce(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+    # Not annotated: DDP checks a hook's annotations against the real types, and with
+    # ``from __future__ import annotations`` they are strings.
+    def _timed_all_reduce(self, state, bucket):  # type: ignore[no-untyped-def]
+        """DDP's default all-reduce, with the moment each bucket's all-reduce is launched."""
         self._launches.append(self.timer.mark())
         return default_hooks.allreduce_hook(None, bucket)
 

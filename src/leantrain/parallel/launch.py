@@ -46,8 +46,10 @@ def _split_endpoint(endpoint: str) -> tuple[str, str] | None:
     return (host, port) if sep and host and port.isdigit() else None
 
 
-def torchrun_arguments(options: LaunchOptions, fit_arguments: Sequence[str]) -> list[str]:
-    """The torchrun command line (without the program name) for a launch."""
+def torchrun_arguments(
+    options: LaunchOptions, fit_arguments: Sequence[str], command: str = "fit"
+) -> list[str]:
+    """The torchrun command line (without the program name) for a launch of ``leantrain COMMAND``."""
     options.check()
     args = ["--nproc-per-node", str(options.nproc_per_node), "--max-restarts", str(options.max_restarts)]
     if options.rdzv_endpoint is None:
@@ -62,16 +64,16 @@ def torchrun_arguments(options: LaunchOptions, fit_arguments: Sequence[str]) -> 
         args += ["--rdzv-endpoint", options.rdzv_endpoint, "--rdzv-id", options.rdzv_id]
     if _torchrun_knows("--signals-to-handle"):
         args += ["--signals-to-handle", FORWARDED_SIGNALS]
-    return [*args, "--module", "leantrain", "fit", *fit_arguments]
+    return [*args, "--module", "leantrain", command, *fit_arguments]
 
 
 def _torchrun_knows(flag: str) -> bool:
     return any(flag in action.option_strings for action in torchrun.get_args_parser()._actions)
 
 
-def launch(options: LaunchOptions, fit_arguments: Sequence[str]) -> int:
+def launch(options: LaunchOptions, fit_arguments: Sequence[str], command: str = "fit") -> int:
     """Run torchrun in this process; its exit status (0 when every worker succeeded)."""
-    arguments = torchrun_arguments(options, fit_arguments)
+    arguments = torchrun_arguments(options, fit_arguments, command)
     try:
         torchrun.main(arguments)
     except SystemExit as exit_:  # torchrun exits with the workers' failure

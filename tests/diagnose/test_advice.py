@@ -1,0 +1,153 @@
+"""Verdict and advice rules, on measurements made up to exercise each rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from leantrain.diagnose import HostSync, Measurements, RetainedGraph, RunFacts, advise, verdict
+from leantrain.diagnose.timer import PHASES
+from leantrain.memory.accountant import MemoryBreakdown
+
+
+def phases(**ms: float) -> dict[str, float]:
+    """Seconds per phase from milliseconds; ``total`` is their sum."""
+    seconds = {p: ms.get(p, 0.0) / 1000 for p in PHASES}
+    return {**seconds, "total": sum(seconds.values())}
+
+
+COMPUTE = phases(forward=40, backward=80, optimizer=5, other=1)
+
+
+def test_a_clean_compute_run_is_compute_bound_with_no_advice() -> None:
+    m = Measurements(COMPUTE)
+    assert verdict(RunFacts(), m) == "compute-bound"
+    assert advise(RunFacts(num_workers=0, auto_workers=2, available_cpus=2), m) == []
+
+
+def test_data_wait_is_data_bound_and_workers_come_first() -> None:
+    m = Measurements(phases(data=100, forward=3, backward=5, optimizer=2))
+    facts = RunFacts(
+        num_workers=0, auto_workers=2, available_cpus=2, items_repeat=True, task_flags="--example x"
+    )
+    assert verdict(facts, m) == "data-bound"
+    advice = advise(facts, m)
+    assert [a.title for a in advice] == [
+        "load data in more worker processes",
+        "preprocess the data once into a memory-mapped cache",
+    ]
+    assert advice[0].change.startswith("--num-workers auto")
+    # 2 workers halve the 100 ms of loading; the other 10 ms are hidden behind it
+    assert advice[0].expected_gain == f"up to {110 / 50:.2f}x samples/s"
+    assert "leantrain cache --example x --out DIR" in advice[1].change
+    assert advice[1].expected_gain.startswith(f"up to {110 / 10:.1f}x")
+
+
+def test_busy_workers_bound_the_gain_by_their_own_throughput() -> None:
+    m = Measurements(phases(data=90, forward=10))  # 1 worker loads a step in 100 ms
+    [workers] = [
+        a for a in advise(RunFacts(num_workers=1, auto_workers=4, available_cpus=4), m) if "worker" in a.title
+    ]
+    assert workers.expected_gain == f"up to {100 / 25:.2f}x samples/s"
+
+
+def test_random_items_are_not_cached_as_they_are() -> None:
+    m = Measurements(phases(data=100, forward=10))
+    facts = RunFacts(num_workers=2, auto_workers=2, available_cpus=2, items_repeat=False)
+    [cache] = [a for a in advise(facts, m) if "cache" in a.change]
+    assert "Task.augment" in cache.title
+
+
+def test_threads_competing_with_workers_are_flagged_only_when_data_bound() -> None:
+    facts = RunFacts(num_workers=2, auto_workers=2, available_cpus=2, torch_threads=2, cache="c")
+    data_bound = Measurements(phases(data=50, forward=10))
+    assert [a.change.split()[0] for a in advise(facts, data_bound)] == ["OMP_NUM_THREADS=1"]
+    assert advise(facts, Measurements(COMPUTE)) == []
+
+
+def test_communication_bound_suggests_fewer_bytes_then_more_samples() -> None:
+    m = Measurements(phases(forward=20, backward=30, communication=50))
+    facts = RunFacts(strategy="ddp", world_size=2, global_batch_size=64)
+    assert verdict(facts, m) == "communication-bound"
+    advice = advise(facts, m)
+    assert [a.change.split()[0] for a in advice] == ["--precision", "--global-batch-size"]
+    assert advice[0].expected_gain == f"up to {100 / 75:.2f}x"
+    assert "--global-batch-size 128" in advice[1].change
+
+
+def test_host_sync_time_on_an_accelerator_decides_the_verdict() -> None:
+    sync = HostSync(".item()", "/code/train.py", 12, count=4, seconds=0.12)
+    m = Measurements(phases(forward=30, backward=30, other=60), host_syncs=[sync], audited_steps=2)
+    assert verdict(RunFacts(device_type="cuda", pin_memory=True), m) == "host-sync-bound"
+    [advice] = advise(RunFacts(device_type="cuda", pin_memory=True), m)
+    assert advice.evidence == ".item() runs 2 time(s) per step at /code/train.py:12"
+    assert advice.expected_gain.startswith(f"up to {120 / 60:.2f}x")
+    # On the CPU the same call costs nothing measurable: found, but no verdict and no gain.
+    cheap = HostSync(".item()", "/code/train.py", 12, count=4, seconds=1e-6)
+    cpu = Measurements(COMPUTE, host_syncs=[cheap], audited_steps=2)
+    assert verdict(RunFacts(), cpu) == "compute-bound"
+    assert advise(RunFacts(), cpu)[0].expected_gain.startswith("none on this CPU run")
+
+
+def test_retained_graphs_come_first() -> None:
+    m = Measurements(
+        COMPUTE,
+        host_syncs=[HostSync("bool(tensor)", "/a.py", 3, 2, 0.0)],
+        retained_graphs=[RetainedGraph("/a.py", 7, 4, 16)],
+    )
+    titles = [a.title for a in advise(RunFacts(), m)]
+    assert titles == [
+        "stop keeping autograd graphs alive (/a.py:7)",
+        "remove the host sync bool(tensor) at /a.py:3",
+    ]
+
+
+def test_memory_pressure_and_out_of_memory_are_memory_bound() -> None:
+    memory = MemoryBreakdown(400, 400, 800, 2000)
+    tight = Measurements(COMPUTE, memory=memory)
+    assert verdict(RunFacts(memory_budget=3800), tight) == "memory-bound"
+    assert verdict(RunFacts(memory_budget=10_000), tight) == "compute-bound"
+    assert verdict(RunFacts(micro_batch_halved=True), Measurements(COMPUTE)) == "memory-bound"
+    assert (
+        "--activation-checkpointing"
+        in advise(RunFacts(micro_batch_halved=True), Measurements(COMPUTE))[0].change
+    )
+
+
+def test_a_micro_batch_far_below_the_budget_is_raised() -> None:
+    # micro-batch 2 of 32 per process saves 1 MB; state 1 MB; budget 100 MB: 32 fits (16 MB)
+    memory = MemoryBreakdown(250_000, 250_000, 500_000, 1_000_000)
+    facts = RunFacts(
+        micro_batch_size=2, accumulation_steps=16, global_batch_size=32, memory_budget=100_000_000
+    )
+    [advice] = advise(facts, Measurements(COMPUTE, memory=memory))
+    assert advice.change.startswith("--micro-batch-size 32")
+    # budget 4 MB: 3.6 MB less 1 MB of state leaves room for 5 samples; micro-batch 4 is below 4x
+    small = RunFacts(micro_batch_size=2, accumulation_steps=16, memory_budget=4_000_000)
+    assert advise(small, Measurements(COMPUTE, memory=memory)) == []
+
+
+def test_all_reduce_on_every_micro_batch_is_flagged() -> None:
+    comm = phases(forward=20, backward=20, communication=40)
+    m = Measurements(comm, backward_calls=8, backwards_with_all_reduce=8)
+    facts = RunFacts(strategy="ddp", world_size=2, accumulation_steps=4, global_batch_size=64)
+    titles = [a.title for a in advise(facts, m)]
+    assert titles[0] == "all-reduce gradients once per optimizer step, not per micro-batch"
+    once = Measurements(m.phases, backward_calls=8, backwards_with_all_reduce=2)
+    assert "all-reduce gradients once per optimizer step, not per micro-batch" not in [
+        a.title for a in advise(facts, once)
+    ]
+
+
+@pytest.mark.parametrize(("facts", "title"), [
+    (RunFacts(strategy="dp"), "use DistributedDataParallel instead of DataParallel"),
+    (RunFacts(num_workers=2, persistent_workers=False), "keep DataLoader workers alive between epochs"),
+    (RunFacts(device_type="cuda", pin_memory=False), "pin host batches"),
+    (RunFacts(fast_16bit_ratio=8.0), "compute in bf16"),
+])  # fmt: skip
+def test_configuration_smells(facts: RunFacts, title: str) -> None:
+    assert title in [a.title for a in advise(facts, Measurements(COMPUTE))]
+
+
+def test_fp32_advice_only_where_16_bit_is_much_faster() -> None:
+    assert advise(RunFacts(fast_16bit_ratio=1.2), Measurements(COMPUTE)) == []
+    assert advise(RunFacts(precision="bf16-mixed", fast_16bit_ratio=8.0), Measurements(COMPUTE)) == []

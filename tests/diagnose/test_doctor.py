@@ -1,0 +1,172 @@
+"""The doctor on tasks built to have one known problem each, and on a clean one."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+
+import leantrain as lt
+from leantrain.checkpoint import checkpoint_name
+from leantrain.cli import main
+from leantrain.diagnose import run_doctor
+from leantrain.diagnose.advice import VERDICTS
+from leantrain.diagnose.report import CSP
+from leantrain.examples import load_example
+from leantrain.examples.slowdata import SlowDataTask
+from tests.conftest import RegressionTask, quiet_config
+from tests.diagnose.lines import line_of
+
+
+def doctor(task, tmp_path: Path, steps: int = 4, warmup: int = 2, **fields):
+    return run_doctor(task, quiet_config(tmp_path / "run", **fields), steps=steps, warmup=warmup)
+
+
+class ReadsItsLoss(RegressionTask):
+    """Reads the loss on the host every micro-batch, as a print-debugging loop would."""
+
+    def loss(self, model, batch):
+        loss = super().loss(model, batch)
+        self.last = loss.item()  # doctor:item
+        return loss
+
+
+class KeepsLosses(RegressionTask):
+    """Appends every loss, graph and all, to a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: list[torch.Tensor] = []
+
+    def loss(self, model, batch):
+        x, y, _ = batch
+        loss = ((model(x) - y) ** 2).mean()  # doctor:kept
+        self.history.append(loss)
+        return loss
+
+
+def test_data_bound_example_is_diagnosed_and_workers_come_first(tmp_path: Path) -> None:
+    d = doctor(SlowDataTask(size=256), tmp_path, global_batch_size=32, num_workers=0)
+    assert d.verdict == "data-bound"
+    assert d.phases["data"] > 0.5 * d.phases["total"]
+    assert d.advice[0].change.startswith("--num-workers auto")
+    assert any("leantrain cache" in a.change for a in d.advice)
+
+
+def test_an_item_call_in_the_loss_is_found_with_its_line(tmp_path: Path) -> None:
+    d = doctor(ReadsItsLoss(), tmp_path, global_batch_size=32, micro_batch_size=16)
+    [sync] = d.host_syncs
+    assert (sync.call, sync.file, sync.line) == (".item()", __file__, line_of(__file__, "doctor:item"))
+    assert sync.per_step(d.audited_steps) == 2  # one per micro-batch
+    # Found, but ranked after anything with a measured gain: on the CPU it costs nothing.
+    assert f"remove the host sync .item() at {__file__}:{sync.line}" in [a.title for a in d.advice]
+    assert d.retained_graphs == []
+
+
+def test_kept_losses_are_found_where_they_were_created(tmp_path: Path) -> None:
+    d = doctor(KeepsLosses(), tmp_path, global_batch_size=32)
+    [graph] = d.retained_graphs
+    assert (graph.file, graph.line) == (__file__, line_of(__file__, "doctor:kept"))
+    assert graph.tensors == 1  # recorded during one step, of one micro-batch
+    assert d.host_syncs == []
+    assert d.advice[0].title.startswith("stop keeping autograd graphs alive")
+
+
+def test_a_clean_compute_heavy_task_is_compute_bound_without_false_alarms(tmp_path: Path) -> None:
+    d = doctor(load_example("charlm"), tmp_path, steps=3)
+    assert d.verdict == "compute-bound"
+    assert d.host_syncs == [] and d.retained_graphs == [] and d.advice == []
+    assert d.phases["forward"] + d.phases["backward"] > 0.7 * d.phases["total"]
+    assert d.flops_per_step > 0 and 0 < d.mfu < 1
+    assert [s.file.endswith("batching.py") for s in d.engine_host_syncs].count(True) == 1
+
+
+def test_doctor_trains_what_fit_trains(tmp_path: Path) -> None:
+    """The instruments measure; they change nothing: same weights as a plain fit of as many steps."""
+    d = doctor(RegressionTask(), tmp_path / "d", steps=3, warmup=1, global_batch_size=32, micro_batch_size=16)
+    steps = d.schedule.total
+    cfg = quiet_config(
+        tmp_path / "fit", global_batch_size=32, micro_batch_size=16, max_steps=steps, log_every_n_steps=steps
+    )
+    plain = lt.Trainer(cfg).fit(RegressionTask())
+    saved = tmp_path / "d" / "run" / "checkpoints" / checkpoint_name(steps)
+    weights = torch.load(saved, weights_only=True)
+    for name, value in plain.model.state_dict().items():
+        assert torch.equal(weights["model"][name], value), name
+
+
+class _Resources(HTMLParser):
+    """Every attribute through which a page could load something."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.references: list[str] = []
+        self.tags: list[str] = []
+        self.csp: str | None = None
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        values = dict(attrs)
+        for key in ("src", "href", "xlink:href", "action", "data", "poster", "srcset"):
+            if values.get(key):
+                self.references.append(values[key])
+        if tag == "meta" and values.get("http-equiv") == "Content-Security-Policy":
+            self.csp = values.get("content")
+
+
+def test_cli_json_and_a_self_contained_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    report = tmp_path / "report.html"
+    code = main(["doctor", "--example", "digits", "--steps", "3", "--warmup-steps", "1", "--json",
+                 "--report", str(report), "--out", str(tmp_path / "run")])  # fmt: skip
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"] in VERDICTS
+    assert set(data["phases"]) == {
+        "data",
+        "h2d",
+        "forward",
+        "backward",
+        "communication",
+        "optimizer",
+        "other",
+    }
+    assert sum(data["phases"].values()) == pytest.approx(data["step_seconds"])
+    assert {"host_syncs", "retained_graphs", "advice", "mfu", "memory"} <= set(data)
+    assert data["run"]["task_flags"] == "--example digits"
+    page = _Resources()
+    page.feed(report.read_text())
+    assert page.csp == CSP
+    assert page.tags.count("svg") == 2  # the phase chart and the memory chart, inline
+    # Only references inside the page (SVG's own #ids) or inline data: nothing to fetch.
+    assert all(ref.startswith(("#", "data:")) for ref in page.references), page.references
+    assert "url(http" not in report.read_text()
+
+
+def test_cli_terminal_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    flags = ["--steps", "2", "--warmup-steps", "1", "--global-batch-size", "16", "--progress", "none"]
+    code = main(["doctor", "--example", "slowdata", *flags, "--out", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "verdict: data-bound" in out
+    assert "1. load data in more worker processes" in out
+    assert "--num-workers auto" in out
+
+
+@pytest.mark.parametrize(("flag", "value", "field"), [("--steps", "0", "steps"),
+                                                      ("--warmup-steps", "0", "warmup_steps")])  # fmt: skip
+def test_bad_step_counts_are_one_line_errors(flag, value, field, capsys: pytest.CaptureFixture) -> None:
+    assert main(["doctor", flag, value]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"leantrain: error: invalid {field}=0") and "\n" not in error
+
+
+def test_trace_is_written_for_perfetto(tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    d = run_doctor(RegressionTask(), quiet_config(tmp_path / "run"), steps=2, warmup=1, trace_dir=trace)
+    files = list(trace.glob("*.pt.trace.json"))
+    assert len(files) == 1 and d.trace_dir == str(trace)
+    events = json.loads(files[0].read_text())["traceEvents"]
+    assert any(event.get("name") == "aten::addmm" for event in events)
