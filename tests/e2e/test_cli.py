@@ -186,10 +186,18 @@ FROZEN_FIT_FLAGS = {
 }
 
 
+def _flags(command: str) -> set[str]:
+    parser = build_parser()._subcommands_action._name_parser_map[command]
+    return {option for action in parser._actions for option in action.option_strings} - {"-h", "--help"}
+
+
 def test_the_set_of_fit_flags_is_frozen():
-    fit_parser = build_parser()._subcommands_action._name_parser_map["fit"]
-    flags = {option for action in fit_parser._actions for option in action.option_strings} - {"-h", "--help"}
-    assert flags == FROZEN_FIT_FLAGS
+    assert _flags("fit") == FROZEN_FIT_FLAGS
+
+
+def test_doctor_takes_the_fit_flags_and_its_own():
+    own = {"--steps", "--warmup-steps", "--report", "--json", "--trace"}
+    assert _flags("doctor") == FROZEN_FIT_FLAGS | own
 
 
 def test_launch_checks_that_the_batch_splits_over_the_processes_before_starting_them(tmp_path):
