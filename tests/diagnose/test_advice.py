@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from leantrain.diagnose import HostSync, Measurements, RetainedGraph, RunFacts, advise, verdict
+from leantrain.diagnose import HostSync, Measurements, RetainedGraph, RunFacts, advise, loader_facts, verdict
 from leantrain.diagnose.timer import PHASES
 from leantrain.memory.accountant import MemoryBreakdown
 
@@ -151,3 +153,16 @@ def test_configuration_smells(facts: RunFacts, title: str) -> None:
 def test_fp32_advice_only_where_16_bit_is_much_faster() -> None:
     assert advise(RunFacts(fast_16bit_ratio=1.2), Measurements(COMPUTE)) == []
     assert advise(RunFacts(precision="bf16-mixed", fast_16bit_ratio=8.0), Measurements(COMPUTE)) == []
+
+
+def test_a_hand_written_loader_is_checked_through_its_facts() -> None:
+    loader = DataLoader(TensorDataset(torch.ones(8)), num_workers=2)
+    facts = RunFacts(**loader_facts(loader), device_type="cuda")
+    titles = [a.title for a in advise(facts, Measurements(COMPUTE))]
+    assert titles == ["pin host batches", "keep DataLoader workers alive between epochs"]
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield torch.ones(1)
+
+    assert loader_facts(DataLoader(Stream()))["map_style"] is False

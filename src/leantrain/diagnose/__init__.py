@@ -7,12 +7,12 @@
   they were created.
 * ``count_flops``, ``peak_flops``, ``mfu``: model FLOPs utilisation.
 * ``breakdown``: memory by kind (parameters, gradients, optimizer state, activations).
-* ``RunFacts``, ``Measurements``, ``verdict``, ``advise``: the rules that turn measurements
-  into a verdict and ranked advice.
+* ``RunFacts`` (``loader_facts(loader)`` fills the loader's part), ``Measurements``,
+  ``verdict``, ``advise``: the rules that turn measurements into a verdict and ranked advice.
 * ``run_doctor``: the whole diagnosis of a task, as ``leantrain doctor`` runs it.
 """
 
-from leantrain.diagnose.advice import Advice, Measurements, RunFacts, advise, verdict
+from leantrain.diagnose.advice import Advice, Measurements, RunFacts, advise, loader_facts, verdict
 from leantrain.diagnose.doctor import Diagnosis, run_doctor
 from leantrain.diagnose.flops import PeakFlops, count_flops, mfu, peak_flops
 from leantrain.diagnose.syncs import HostSync, HostSyncs, RetainedGraph, RetainedGraphs
@@ -36,6 +36,7 @@ __all__ = [
     "advise",
     "breakdown",
     "count_flops",
+    "loader_facts",
     "mfu",
     "peak_flops",
     "run_doctor",

@@ -1,4 +1,4 @@
-"""From measurements to a verdict and ranked advice: pure functions, no torch.
+"""From measurements to a verdict and ranked advice: pure functions of plain values.
 
 Every rule reads ``RunFacts`` (what the run was set up with) and ``Measurements`` (what
 the doctor measured) and returns ``Advice`` with its evidence in numbers, the exact change,
@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from torch.utils.data import IterableDataset
 
 from leantrain.diagnose.syncs import HostSync, RetainedGraph
 from leantrain.memory.accountant import MemoryBreakdown, format_bytes
@@ -57,6 +59,20 @@ class RunFacts:
     memory_budget: int | None = None  # bytes: the flag, or a CUDA device's memory
     fast_16bit_ratio: float | None = None  # peak 16-bit / fp32 matmul rate, where much faster
     task_flags: str = "--task pkg.module:Task"  # the task on a command line
+
+
+def loader_facts(loader: Any) -> dict[str, Any]:
+    """The ``RunFacts`` fields a ``torch.utils.data.DataLoader`` tells, for checking your own loop::
+
+    RunFacts(**loader_facts(loader), device_type="cuda", precision="32")
+    """
+    dataset = getattr(loader, "dataset", None)
+    return {
+        "num_workers": loader.num_workers,
+        "persistent_workers": bool(getattr(loader, "persistent_workers", False)),
+        "pin_memory": bool(getattr(loader, "pin_memory", False)),
+        "map_style": not isinstance(dataset, IterableDataset),
+    }
 
 
 @dataclass(frozen=True)
