@@ -42,6 +42,8 @@ from leantrain.trainer import FitResult, Trainer
 EXIT_USAGE = 2
 # Flags that are not TrainConfig fields.
 TASK_FLAGS = ("task", "example")
+# `--json` alone or `--json true|false`, for every command that can print JSON.
+JSON_FLAG, JSON_OPTIONS = "--json", {"type": bool, "nargs": "?", "const": True, "default": False}
 # Extra spellings of field flags, as SPEC.md writes them.
 FLAG_ALIASES = {"out_dir": ["--out"]}
 
@@ -117,7 +119,7 @@ def _doctor_parser() -> ArgumentParser:
     doctor.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="timed steps (after the warm-up)")
     doctor.add_argument("--warmup-steps", type=int, default=DEFAULT_WARMUP, help="steps run before timing")
     doctor.add_argument("--report", default=None, help="also write a self-contained HTML report here")
-    doctor.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    doctor.add_argument(JSON_FLAG, **JSON_OPTIONS, help="print one JSON object instead of the report")
     doctor.add_argument(
         "--trace", default=None, help=f"also write a torch.profiler trace of {TRACED_STEPS} steps into DIR"
     )
@@ -163,7 +165,7 @@ def _plan_parser() -> ArgumentParser:
         default=DEFAULT_MARGIN,
         help="share of the budget kept free (0.1: 10%%)",
     )
-    plan.add_argument("--json", type=bool, default=False, help="print one JSON object instead of a table")
+    plan.add_argument(JSON_FLAG, **JSON_OPTIONS, help="print one JSON object instead of a table")
     return parser
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from leantrain.batching import Accumulator, BatchPlan
@@ -25,7 +26,7 @@ def every_kind_of_sync(value: torch.Tensor) -> None:
     repr(value)  # sync:repr
     f"{value:.3f}"  # sync:format
     value.cpu()  # sync:cpu
-    value.to("cpu")  # sync:to
+    value.to("cpu")  # already there: no copy, no sync
     value.detach().numpy()  # sync:numpy
     torch.cuda.empty_cache()  # sync:empty_cache
 
@@ -39,11 +40,29 @@ def test_every_sync_call_is_found_with_its_line() -> None:
     expected = {
         (".item()", "item"), (".tolist()", "tolist"), ("bool(tensor)", "bool"), ("bool(tensor)", "if"),
         ("float(tensor)", "float"), ("print(tensor)", "repr"), ("format(tensor)", "format"),
-        (".cpu()", "cpu"), ('.to("cpu")', "to"), (".numpy()", "numpy"),
+        (".cpu()", "cpu"), (".numpy()", "numpy"),
         ("torch.cuda.empty_cache()", "empty_cache"),
     }  # fmt: skip
     assert found == {(call, line_of(f"sync:{marker}")): 3 for call, marker in expected}
     assert all(s.file == __file__ for s in syncs.sites())
+
+
+def test_a_copy_from_a_device_to_the_cpu_is_a_sync() -> None:
+    on_device = torch.empty(2, device="meta")  # any device but the CPU
+    with HostSyncs() as syncs, pytest.raises(NotImplementedError):
+        on_device.to("cpu")  # sync:to
+    assert [(s.call, s.line) for s in syncs.sites()] == [('.to("cpu")', line_of("sync:to"))]
+
+
+def test_an_optimizers_step_counters_are_not_syncs() -> None:
+    """Adam reads its step counters, host scalars, with .item(): no device is waited for."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.Adam(model.parameters())
+    with HostSyncs() as syncs:
+        for _ in range(2):
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+    assert syncs.sites() == []
 
 
 def test_device_arithmetic_and_moves_to_other_devices_are_not_syncs() -> None:

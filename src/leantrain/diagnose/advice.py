@@ -164,7 +164,8 @@ def more_workers(facts: RunFacts, m: Measurements) -> list[Advice]:
         Advice(
             "load data in more worker processes",
             f"the step waits {_ms(data)} of {_ms(m.step)} for data ({m.share('data'):.0%}) with "
-            f"{facts.num_workers} worker(s); {facts.available_cpus} CPUs are available",
+            f"{facts.num_workers} worker(s); {workers} worker(s) per process fit the "
+            f"{facts.available_cpus} CPUs available",
             f"--num-workers auto  (here: {workers} workers; or --num-workers tune to measure)",
             f"up to {gain:.2f}x samples/s",
             tier=1,

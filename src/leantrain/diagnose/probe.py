@@ -150,9 +150,11 @@ class StepProbe:
             self.graphs.forget()
             if plan.traced and self.trace_dir is not None:
                 self._start_trace()
-        elif done == timed_end + 2 + plan.traced and self._profiler is not None:
-            self._profiler.__exit__(None, None, None)
-            self._profiler = None
+        elif self._profiler is not None:
+            self._profiler.step()  # a ProfilerStep marker per training step in the trace
+            if done == timed_end + 2 + plan.traced:
+                self._profiler.__exit__(None, None, None)
+                self._profiler = None
 
     def _start_trace(self) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU]

@@ -40,30 +40,41 @@ def short_path(path: str) -> str:
     return path if relative.startswith("..") else relative
 
 
+def percent(share: float) -> str:
+    """A share as a percentage with two significant digits below 10% (MFU is often tiny)."""
+    return f"{share:.0%}" if share >= 0.1 or share == 0 else f"{share * 100:.2g}%"
+
+
 def headline(d: Diagnosis) -> str:
     f = d.facts
     return (
         f"{d.verdict}: {d.phases['total'] * 1000:,.1f} ms per step, {d.samples_per_second:,.0f} samples/s, "
-        f"MFU {d.mfu:.1%} ({f.precision}, micro-batch {f.micro_batch_size} x {f.accumulation_steps}, "
-        f"{f.num_workers} workers, {f.world_size} process(es), {f.device_type})"
+        f"MFU {percent(d.mfu)} (precision {f.precision}, micro-batch {f.micro_batch_size} x "
+        f"{f.accumulation_steps} accumulation, {f.num_workers} loader worker(s), {f.world_size} "
+        f"process(es), {f.device_type})"
+    )
+
+
+def flops_line(d: Diagnosis) -> str:
+    return (
+        f"FLOPs per step {d.flops_per_step:,.4g}; peak {d.peak.flops_per_second / 1e12:,.3g} TFLOP/s "
+        f"({d.peak.dtype}, {d.peak.source}); MFU {percent(d.mfu)}"
     )
 
 
 def print_report(d: Diagnosis, console: Console) -> None:
     console.print(f"[bold]verdict: {headline(d)}[/bold]")
     schedule = d.schedule
-    phases = Table(title=f"time per step by phase: mean of {schedule.timed} steps after {schedule.warmup}")
+    console.print(f"time per step by phase: mean of {schedule.timed} steps after {schedule.warmup} warm-up")
+    phases = Table()
     for column in ("phase", "ms/step", "share"):
         phases.add_column(column, justify="left" if column == "phase" else "right")
     total = max(d.phases["total"], 1e-12)
     for phase in PHASES:
-        phases.add_row(phase, f"{d.phases[phase] * 1000:,.2f}", f"{d.phases[phase] / total:.0%}")
+        phases.add_row(phase, f"{d.phases[phase] * 1000:,.2f}", percent(d.phases[phase] / total))
     phases.add_row("[bold]step[/bold]", f"{total * 1000:,.2f}", "100%")
     console.print(phases)
-    console.print(
-        f"FLOPs per step {d.flops_per_step:,.3g}; peak {d.peak.flops_per_second / 1e12:,.2f} TFLOP/s "
-        f"({d.peak.dtype}, {d.peak.source}); MFU {d.mfu:.1%}"
-    )
+    console.print(flops_line(d))
     if d.memory is not None:
         parts = ", ".join(
             f"{kind.removesuffix('_bytes')} {format_bytes(getattr(d.memory, kind))}" for kind in MEMORY_KINDS
@@ -123,6 +134,7 @@ def phase_chart(d: Diagnosis) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     plt.rcParams["svg.fonttype"] = "path"  # text drawn as paths: no font to load
     figure, axes = plt.subplots(figsize=(8, 3.2))
@@ -133,6 +145,7 @@ def phase_chart(d: Diagnosis) -> str:
         if any(values):
             axes.bar(steps, values, bottom=bottom, color=PHASE_COLOURS[phase], label=phase, width=0.8)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("step")
     axes.set_ylabel("ms")
     axes.set_title("time per step by phase")
@@ -154,12 +167,16 @@ def memory_chart(d: Diagnosis) -> str:
     plt.rcParams["svg.fonttype"] = "path"
     assert d.memory is not None
     labels = [kind.removesuffix("_bytes") for kind in MEMORY_KINDS]
-    values = [getattr(d.memory, kind) / 2**20 for kind in MEMORY_KINDS]
+    sizes = [getattr(d.memory, kind) for kind in MEMORY_KINDS]
+    # The axis in the largest unit that keeps the biggest bar at 1 or more.
+    units = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+    unit, scale = next(((name, size) for name, size in units if max(sizes) >= size), ("B", 1))
+    values = [size / scale for size in sizes]
     figure, axes = plt.subplots(figsize=(8, 2.2))
     bars = axes.barh(labels, values, color=["#1f77b4", "#2ca02c", "#8c564b", "#ff7f0e"])
     axes.bar_label(bars, labels=[format_bytes(getattr(d.memory, k)) for k in MEMORY_KINDS], padding=3)
     axes.invert_yaxis()
-    axes.set_xlabel("MiB")
+    axes.set_xlabel(unit)
     axes.set_title(f"memory by kind (total {format_bytes(d.memory.total_bytes)})")
     axes.spines[["top", "right"]].set_visible(False)
     try:
@@ -201,7 +218,8 @@ def _table(headers: list[str], rows: str) -> str:
 
 def render_html(d: Diagnosis) -> str:
     total = max(d.phases["total"], 1e-12)
-    phase_rows = [[p, f"{d.phases[p] * 1000:,.2f}", f"{d.phases[p] / total:.0%}"] for p in PHASES]
+    phase_rows = [[p, f"{d.phases[p] * 1000:,.2f}", percent(d.phases[p] / total)] for p in PHASES]
+    phase_rows.append(["step", f"{total * 1000:,.2f}", "100%"])
     steps = max(d.audited_steps, 1)
     syncs = _rows(
         [[s.call, f"{short_path(s.file)}:{s.line}", f"{s.per_step(steps):g}"] for s in d.host_syncs], 2
@@ -227,8 +245,7 @@ def render_html(d: Diagnosis) -> str:
 <h2>Time per step by phase</h2>
 <div class="chart">{phase_chart(d)}</div>
 {_table(["phase", "ms/step", "share"], _rows(phase_rows))}
-<p>FLOPs per step {d.flops_per_step:,}; peak {d.peak.flops_per_second / 1e12:,.2f} TFLOP/s
-({html.escape(d.peak.dtype)}, {html.escape(d.peak.source)}); MFU {d.mfu:.1%}.</p>
+<p>{html.escape(flops_line(d))}.</p>
 {memory}
 <h2>Host syncs in your code</h2>
 {_table(["call", "where", "per step"], syncs)}

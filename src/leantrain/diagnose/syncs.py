@@ -83,10 +83,19 @@ def _is_library(filename: str) -> bool:
     )
 
 
+_OPTIM_DIR = os.path.join(_TORCH_DIR, "optim") + os.sep
+
+
 def caller_site(frame: FrameType | None) -> CallSite | None:
-    """The first frame, from ``frame`` outwards, that is not torch's, this module's or the stdlib's."""
+    """The first frame, from ``frame`` outwards, that is not torch's, this module's or the stdlib's.
+
+    None for calls made inside ``torch.optim``: optimizers read their step counters, host
+    scalars by design (unless ``capturable``), which is no sync of the device.
+    """
     while frame is not None:
         filename = frame.f_code.co_filename
+        if filename.startswith(_OPTIM_DIR):
+            return None
         if not _is_library(filename):
             path = os.path.abspath(filename)
             engine = path.startswith(_LEANTRAIN_DIR) and not path.startswith(_EXAMPLES_DIR)
@@ -108,7 +117,13 @@ class HostSync:
 
 
 def _moves_to_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``tensor.to(*args, **kwargs)`` targets the CPU (a copy the host waits for)."""
+    """Whether ``tensor.to(*args, **kwargs)`` copies a device tensor to the CPU (the host waits).
+
+    Unlike ``.cpu()``, ``.to(device)`` is usually written for the run's device: on a CPU
+    run it moves nothing, and on a GPU run the same line moves data to the GPU.
+    """
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].device.type == "cpu":
+        return False
     try:
         device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
     except (TypeError, RuntimeError):
