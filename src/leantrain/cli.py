@@ -52,10 +52,11 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _fit_parser() -> ArgumentParser:
-    parser = ArgumentParser(
-        description="Train a task. With no arguments: the built-in 'digits' example.", exit_on_error=False
-    )
+def _fit_parser(
+    description: str = "Train a task. With no arguments: the built-in 'digits' example.",
+) -> ArgumentParser:
+    """The fit flags; ``plan`` and ``doctor`` take them too, and add their own."""
+    parser = ArgumentParser(description=description, exit_on_error=False)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file of flags (keys as field names)")
     source = parser.add_argument_group("Task")
     source.add_argument(
@@ -110,8 +111,7 @@ def build_parser() -> ArgumentParser:
 
 
 def _doctor_parser() -> ArgumentParser:
-    parser = _fit_parser()
-    parser.description = (
+    parser = _fit_parser(
         "Train a few steps with instruments: time per step by phase, MFU, memory by kind, host syncs "
         "and retained graphs in your code; then a verdict and advice ranked by payoff."
     )
@@ -153,8 +153,7 @@ def run_doctor_command(values: dict[str, Any], console: Console) -> Diagnosis:
 
 
 def _plan_parser() -> ArgumentParser:
-    parser = _fit_parser()
-    parser.description = (
+    parser = _fit_parser(
         "Measure the memory of a run on a model built on the meta device (no memory, no accelerator): "
         "parameters, gradients, optimizer state and saved activations per micro-batch size."
     )
