@@ -54,6 +54,39 @@ def test_folder_keeps_the_newest_k_and_ignores_unfinished_saves(tmp_path):
     assert not list((tmp_path / "checkpoints").glob(".*tmp*"))  # the stale temporary file is cleaned
 
 
+def sharded_save(folder: CheckpointFolder, step: int, complete: bool = True):
+    """A checkpoint file with a shards folder beside it, as an fsdp run writes them."""
+    shards = folder.shard_folder(step)
+    shards.mkdir(parents=True)
+    (shards / "__0_0.distcp").write_bytes(b"shard")
+    if complete:
+        (shards / ".metadata").write_bytes(b"written last by DCP")
+    return folder.save(step, {**small_state(step), "model": None, "sharded": shards.name})
+
+
+def test_sharded_checkpoints_are_pruned_with_their_shards(tmp_path):
+    folder = CheckpointFolder(tmp_path, keep=2)
+    for step in (4, 8, 12):
+        sharded_save(folder, step)
+    (tmp_path / "step-00000010.dcp").mkdir()  # a save killed before its file was written
+    sharded_save(folder, 16)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000012.dcp", "step-00000012.pt", "step-00000016.dcp", "step-00000016.pt"
+    ]  # fmt: skip
+
+
+def test_newest_valid_skips_a_checkpoint_whose_shards_are_incomplete(tmp_path):
+    folder = CheckpointFolder(tmp_path, keep=5)
+    sharded_save(folder, 1)
+    sharded_save(folder, 2, complete=False)
+    warnings: list[str] = []
+    _, state = folder.newest_valid(warn=warnings.append)
+    assert state["step"] == 1
+    assert len(warnings) == 1 and "step-00000002.dcp is missing or incomplete" in warnings[0]
+    with pytest.raises(lt.CheckpointError, match="missing or incomplete"):
+        export_checkpoint(tmp_path / "step-00000002.pt", tmp_path / "out.safetensors")
+
+
 def test_newest_valid_skips_a_corrupt_newest_file_with_a_warning(tmp_path):
     folder = CheckpointFolder(tmp_path, keep=5)
     folder.save(1, small_state(1))

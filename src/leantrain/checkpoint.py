@@ -13,6 +13,8 @@ from __future__ import annotations
 import pickle
 import random
 import re
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,9 @@ FORMAT_VERSION = 1
 # that agrees on them. Everything else (max_steps, logging, workers, micro-batch) may change.
 MUST_MATCH = ("global_batch_size", "seed", "shuffle", "precision")
 _NAME = re.compile(r"step-(\d+)\.pt")
+
+
+SHARDS_SUFFIX = ".dcp"  # the folder beside a sharded checkpoint's file: step-N.dcp/
 
 
 def checkpoint_name(step: int) -> str:
@@ -163,6 +168,10 @@ class CheckpointFolder:
         found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := _NAME.fullmatch(p.name))]
         return [path for _, path in sorted(found)]
 
+    def shard_folder(self, step: int) -> Path:
+        """Where a sharded checkpoint's shards go (its file refers to it by name)."""
+        return self.folder / checkpoint_name(step).replace(".pt", SHARDS_SUFFIX)
+
     def save(self, step: int, state: dict[str, Any]) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / checkpoint_name(step)
@@ -171,13 +180,21 @@ class CheckpointFolder:
             old.unlink(missing_ok=True)
         for stale in self.folder.glob(".step-*.pt.tmp-*"):  # left by a save that was killed
             stale.unlink(missing_ok=True)
+        kept = {p.name.replace(".pt", SHARDS_SUFFIX) for p in self.files()}
+        for shards in self.folder.glob(f"step-*{SHARDS_SUFFIX}"):
+            # Shards of a removed checkpoint, or of a save killed before its file was written.
+            if shards.name not in kept and shards.name < self.shard_folder(step).name:
+                shutil.rmtree(shards, ignore_errors=True)
         return path
 
     def newest_valid(self, warn: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
         """The newest checkpoint that loads; unusable newer ones are reported through ``warn``."""
         for path in reversed(self.files()):
             try:
-                return path, load_checkpoint(path)
+                state = load_checkpoint(path)
+                if state.get("sharded"):
+                    check_shards(path, self.folder / state["sharded"])
+                return path, state
             except CheckpointError as error:
                 warn(f"skipping {error}")
         return None
@@ -208,5 +225,28 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str) -> Path:
     out = Path(out)
     if out.is_dir():
         out = out / "model.safetensors"
-    export_weights(state["model"], out)
+    model = (
+        state["model"] if not state.get("sharded") else _gathered_model(Path(checkpoint), state["sharded"])
+    )
+    export_weights(model, out)
     return out
+
+
+def check_shards(checkpoint: Path, folder: Path) -> None:
+    """CheckpointError unless ``folder`` holds the complete shards of ``checkpoint``.
+
+    DCP writes its ``.metadata`` file last, after every process wrote its shards."""
+    if not (folder / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint {checkpoint}: its sharded state {folder} is missing or incomplete")
+
+
+def _gathered_model(checkpoint: Path, shards: str) -> dict[str, torch.Tensor]:
+    """The whole model of a sharded checkpoint, read from its shards in this one process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = checkpoint.parent / shards
+    check_shards(checkpoint, folder)
+    with tempfile.TemporaryDirectory() as scratch:
+        whole = Path(scratch) / "whole.pt"
+        dcp_to_torch_save(str(folder), str(whole))
+        return torch.load(whole, map_location="cpu", weights_only=True)["model"]

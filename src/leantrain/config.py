@@ -25,7 +25,10 @@ NanPolicy = Literal["stop", "skip"]
 WorkerChoice = Literal["auto", "tune"]
 Auto = Literal["auto"]
 LrScaling = Literal["none", "linear", "sqrt"]
-Strategy = Literal["auto", "single", "ddp", "dp"]
+Strategy = Literal["auto", "single", "ddp", "dp", "fsdp"]
+# Precisions FSDP2 runs: its mixed-precision policy keeps fp32 shards (the master weights)
+# and computes in bf16, which is what bf16-true buys elsewhere.
+FSDP_PRECISIONS = ("32", "bf16-mixed")
 ProgressMode = Literal["auto", "rich", "plain", "none"]
 
 GROUPS = {
@@ -130,7 +133,16 @@ class TrainConfig:
     # parallel
     device: str = _field("auto", "parallel", "auto (CUDA if present, else CPU), cpu, cuda, cuda:N or mps")
     strategy: Strategy = _field(
-        "auto", "parallel", "auto: ddp when launched as several processes, else single; dp: DataParallel"
+        "auto",
+        "parallel",
+        "auto: ddp when launched as several processes, else single; dp: DataParallel; fsdp: parameters, "
+        "gradients and optimizer state sharded over the processes (FSDP2)",
+    )
+    shard_blocks: str | None = _field(
+        None,
+        "parallel",
+        "with fsdp, the module class names sharded as units (each gathered only while it runs); null: "
+        "the model's repeated blocks",
     )
     # reproducibility
     seed: int = _field(0, "reproducibility", "seeds Python, NumPy, torch and the sample order")
@@ -191,6 +203,7 @@ class TrainConfig:
             raise ConfigError("cache", self.cache, "must be a folder path")
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise ConfigError("prefetch_factor", self.prefetch_factor, "needs num_workers > 0")
+        self._validate_sharding()
         if self.resume == "auto" and self.out_dir is None:
             raise ConfigError("resume", self.resume, "needs out_dir: the run folder to resume")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
@@ -213,6 +226,27 @@ class TrainConfig:
                 f"must divide the per-process batch {per_rank} (global_batch_size {self.global_batch_size}"
                 f" / world size {world_size}); allowed: {', '.join(map(str, divisors))}",
             )
+
+    def _validate_sharding(self) -> None:
+        if self.shard_blocks is not None and self.strategy != "fsdp":
+            raise ConfigError("shard_blocks", self.shard_blocks, "is used with strategy fsdp only")
+        if self.strategy != "fsdp":
+            return
+        if self.precision not in FSDP_PRECISIONS:
+            raise ConfigError(
+                "precision",
+                self.precision,
+                "with strategy fsdp: 32 or bf16-mixed (fsdp keeps fp32 shards and computes in bf16, "
+                "as bf16-true would)",
+            )
+        if self.micro_batch_size == "auto" or self.memory_budget is not None:
+            raise ConfigError(
+                "strategy",
+                "fsdp",
+                "does not yet adapt the micro-batch: set micro_batch_size, no memory_budget",
+            )
+        if self.shard_blocks is not None:
+            CheckpointPolicy.parse(self.shard_blocks, field="shard_blocks")
 
     @property
     def epoch_limit(self) -> int | None:

@@ -212,7 +212,10 @@ def _clip(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor | 
     if max_norm is None:
         return None
     # Returns the norm as a device tensor: no host sync.
-    return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    # Sharded parameters (FSDP) give a replicated DTensor: every rank holds the total.
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else norm
 
 
 def make_precision(name: str, device: torch.device) -> Precision:

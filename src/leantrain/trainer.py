@@ -12,7 +12,7 @@ import gc
 import signal
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -147,7 +147,12 @@ class FitResult:
     model: nn.Module | None = field(default=None, repr=False)
 
     def summary(self) -> dict[str, Any]:
-        data = {k: v for k, v in asdict(self).items() if k not in ("val_metrics", "out_dir", "model")}
+        # Not asdict(): it deep-copies every field, the model too (and FSDP models refuse).
+        data = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("val_metrics", "out_dir", "model")
+        }
         return {**data, **self.val_metrics, "out_dir": str(self.out_dir)}
 
 
@@ -239,12 +244,13 @@ class _Run:
                 self.model, CheckpointPolicy.parse(checkpointing)
             )
         self.strategy = strategy
-        self.parallel = instruments.parallel(parallelize(self.model, strategy, device))
+        self.parallel = instruments.parallel(parallelize(self.model, strategy, device, cfg))
         if env.distributed:
             # Every rank drew the same initial weights above (DDP also broadcasts rank 0's).
             # From here on each rank draws its own numbers: dropout masks must differ by rank.
             seed_everything(derived_seed(cfg.seed, env.rank))
-        self.optimizer = task.optimizer(iter(optimizer_params))
+        self.optimizer_params = self.parallel.optimizer_params(optimizer_params)
+        self.optimizer = task.optimizer(iter(self.optimizer_params))
         if cfg.lr_scaling != "none":  # before the scheduler, which records the base learning rates
             self.notes.append(scale_learning_rates(self.optimizer, cfg))
         scheduler_fn = getattr(task, "scheduler", None)
@@ -321,7 +327,9 @@ class _Run:
             # The old wrapper's reducer still hooks the parameters: it must be gone first.
             self.parallel = self.accumulator = None  # type: ignore[assignment]
             gc.collect()
-            self.parallel = self.instruments.parallel(parallelize(self.model, self.strategy, self.device))
+            self.parallel = self.instruments.parallel(
+                parallelize(self.model, self.strategy, self.device, self.cfg)
+            )
         self.accumulator = self._make_accumulator()
         self.train_loader, _, _ = build_train_loader(
             self.data, self.cfg, self.env, self.plan, self.total_steps, step, self.pin_memory
@@ -484,12 +492,17 @@ class _Run:
         """Everything the next step depends on, taken at this step boundary; rank 0 writes it."""
         rng = self.parallel.gather(capture_rng())  # each rank's generators: they differ by rank
         path = self.checkpoints.folder / checkpoint_name(done)
+        shards = None
+        if self.parallel.sharded:  # every rank writes its shards first; the file below comes last
+            shards = self.checkpoints.shard_folder(done)
+            self.parallel.save_sharded(shards, self.optimizer)
         if not self.env.is_main:
             return path
         state = {
             "step": done,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": None if shards else self.model.state_dict(),
+            "optimizer": None if shards else self.optimizer.state_dict(),
+            "sharded": None if shards is None else shards.name,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "precision": self.precision.state_dict(),
             "rng": rng,
@@ -517,8 +530,17 @@ class _Run:
             path = Path(resume)
             state = load_checkpoint(path)
         check_compatible(state, path, self.cfg.to_dict(), self.dataset_size)
-        load_into(self.model, state["model"], "model", path)
-        load_into(self.optimizer, state["optimizer"], "optimizer", path)
+        if bool(state.get("sharded")) != self.parallel.sharded:
+            saved_as = "sharded (strategy fsdp)" if state.get("sharded") else "whole (not sharded)"
+            raise CheckpointError(
+                f"checkpoint {path} holds its model {saved_as}, unlike this run (strategy "
+                f"{self.parallel.strategy}); resume it with the strategy it was saved with"
+            )
+        if self.parallel.sharded:
+            self.parallel.load_sharded(path.parent / state["sharded"], self.optimizer, path)
+        else:
+            load_into(self.model, state["model"], "model", path)
+            load_into(self.optimizer, state["optimizer"], "optimizer", path)
         if (state["scheduler"] is None) != (self.scheduler is None):
             has = "has" if state["scheduler"] is not None else "has no"
             raise CheckpointError(f"checkpoint {path} {has} scheduler state, unlike this task")
@@ -535,8 +557,9 @@ class _Run:
 
     def finish(self) -> FitResult:
         """Write the weights and summary.json (rank 0); return the result."""
+        weights = self.parallel.trained_weights(self.precision)  # sharded: gathered, a collective
         if self.env.is_main:
-            export_weights(self.precision.trained_state_dict(self.model), self.run_dir / "model.safetensors")
+            export_weights(weights, self.run_dir / "model.safetensors")
         samples = self.total_steps * self.plan.global_batch_size
         result = FitResult(
             steps=self.total_steps,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,43 @@ def leantrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         f"leantrain {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     )
     return done
+
+
+def worker_pids(launcher: int) -> dict[int, int]:
+    """LOCAL_RANK -> pid of the worker processes that the torchrun launcher started."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        ranks = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"LOCAL_RANK=")]
+        if parent == launcher and ranks:
+            found[int(ranks[0])] = int(entry.name)
+    return found
+
+
+def run_with_one_kill(fit_arguments: list[str], kill_after: str) -> str:
+    """``launch --nproc-per-node 2 --max-restarts 1 fit ...``, SIGKILL rank 1 once a line of the run
+    starts with ``kill_after``; the group restarts and the run must end well. Returns its stdout."""
+    launcher = subprocess.Popen(
+        [LEANTRAIN, "launch", "--nproc-per-node", "2", "--max-restarts", "1", *fit_arguments],
+        cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert launcher.stdout is not None
+    try:
+        for line in launcher.stdout:
+            if line.startswith(kill_after):
+                break
+        os.kill(worker_pids(launcher.pid)[1], signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=240)
+    finally:
+        launcher.kill()  # nothing is left running when the test fails
+    assert launcher.returncode == 0, stderr[-3000:]
+    return line + stdout
 
 
 @pytest.fixture

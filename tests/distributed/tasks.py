@@ -15,6 +15,10 @@ def mean_task() -> RegressionTask:
     return RegressionTask(loss_kind="mean")
 
 
+def mean_task_fp32() -> RegressionTask:
+    return RegressionTask(loss_kind="mean", dtype=torch.float32)
+
+
 def sum_task() -> RegressionTask:
     """Per-sample element counts of 1..4: every rank's LossSum count differs."""
     return RegressionTask(loss_kind="sum")

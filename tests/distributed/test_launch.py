@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import LEANTRAIN, REPO, leantrain, worker_env
+from tests.distributed.conftest import LEANTRAIN, REPO, leantrain, run_with_one_kill, worker_env
 
 FIT = "fit --task tests.distributed.tasks:sum_task --global-batch-size 16 --micro-batch-size 4 --max-steps 20"
 FIT = [*FIT.split(), "--progress", "plain", "--tensorboard", "false"]
@@ -68,43 +65,11 @@ def test_two_nodes_on_one_machine_match_one_process(tmp_path):
     assert max_difference(load_file(tmp_path / "two-nodes" / "model.safetensors"), single) <= 1e-10
 
 
-def worker_pids(launcher: int) -> dict[int, int]:
-    """LOCAL_RANK -> pid of the worker processes that the torchrun launcher started."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        ranks = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"LOCAL_RANK=")]
-        if parent == launcher and ranks:
-            found[int(ranks[0])] = int(entry.name)
-    return found
-
-
 def test_a_killed_rank_is_restarted_and_the_run_resumes_exactly(tmp_path):
     flags = "--task tests.distributed.tasks:slow_sum_task --max-steps 40 --checkpoint-every 4"
-    flags = [*flags.split(), "--log-every-n-steps", "1", "--resume", "auto"]
-    leantrain("launch", "--nproc-per-node", "2", *FIT, *flags, "--out", str(tmp_path / "uninterrupted"))
-    launcher = subprocess.Popen(
-        [LEANTRAIN, "launch", "--nproc-per-node", "2", "--max-restarts", "1", *FIT, *flags,
-         "--out", str(tmp_path / "restarted")],
-        cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert launcher.stdout is not None
-    try:
-        for line in launcher.stdout:
-            if line.startswith("step 10/"):
-                break
-        victim = worker_pids(launcher.pid)[1]
-        os.kill(victim, signal.SIGKILL)
-        stdout, stderr = launcher.communicate(timeout=240)
-    finally:
-        launcher.kill()  # nothing is left running when the test fails
-    assert launcher.returncode == 0, stderr[-3000:]
+    flags = [*FIT, *flags.split(), "--log-every-n-steps", "1", "--resume", "auto"]
+    leantrain("launch", "--nproc-per-node", "2", *flags, "--out", str(tmp_path / "uninterrupted"))
+    stdout = run_with_one_kill([*flags, "--out", str(tmp_path / "restarted")], kill_after="step 10/")
     assert "resumed after step" in stdout  # the restarted group continued from a checkpoint
     expected = load_file(tmp_path / "uninterrupted" / "model.safetensors")
     actual = load_file(tmp_path / "restarted" / "model.safetensors")

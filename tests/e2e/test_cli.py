@@ -172,6 +172,7 @@ FROZEN_FIT_FLAGS = {
     "--cache",
     "--device",
     "--strategy",
+    "--shard-blocks",
     "--seed",
     "--deterministic",
     "--out-dir",

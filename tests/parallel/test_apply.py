@@ -26,9 +26,10 @@ def test_resolve_strategy(strategy, env, resolved):
     assert resolve_strategy(strategy, env) == resolved
 
 
-def test_ddp_in_one_process_says_how_to_launch():
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_multi_process_strategies_in_one_process_say_how_to_launch(strategy):
     with pytest.raises(lt.ConfigError, match="needs several processes: run `leantrain launch"):
-        resolve_strategy("ddp", ONE)
+        resolve_strategy(strategy, ONE)
 
 
 @pytest.mark.parametrize("strategy", ["single", "dp"])

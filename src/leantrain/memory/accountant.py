@@ -23,7 +23,13 @@ import torch
 
 
 def base_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage ``tensor`` views (itself when it is no view)."""
+    """The tensor whose storage ``tensor`` views (itself when it is no view).
+
+    A sharded ``DTensor`` (FSDP) counts as this process's shard: what its memory holds.
+    """
+    to_local = getattr(tensor, "to_local", None)
+    if to_local is not None:
+        tensor = to_local()
     while tensor._base is not None:
         tensor = tensor._base
     return tensor

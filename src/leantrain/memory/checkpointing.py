@@ -41,13 +41,14 @@ class CheckpointPolicy:
     every: int = 1
     first: int | None = None  # only the first N matches (after every)
     auto: bool = False
+    field: str = "activation_checkpointing"  # the config field errors name
 
     @classmethod
-    def parse(cls, text: str) -> CheckpointPolicy:
+    def parse(cls, text: str, field: str = "activation_checkpointing") -> CheckpointPolicy:
         """``"Block"``, ``"Block,every:2"``, ``"every:3"``, ``"Block,first:2"``, ``"auto"``.
 
         Anything else is a ConfigError naming the field."""
-        if text.strip() == "auto":
+        if text.strip() == "auto" and field == "activation_checkpointing":
             return cls(auto=True)
         classes: list[str] = []
         counts: dict[str, int] = {}
@@ -59,12 +60,13 @@ class CheckpointPolicy:
                 classes.append(term)
             else:
                 raise ConfigError(
-                    "activation_checkpointing",
+                    field,
                     text,
-                    "auto, or comma-separated module class names, every:N and first:N (N >= 1), "
+                    ("auto, or " if field == "activation_checkpointing" else "")
+                    + "comma-separated module class names, every:N and first:N (N >= 1), "
                     "e.g. Block or Block,every:2",
                 )
-        return cls(tuple(classes), counts.get("every", 1), counts.get("first"))
+        return cls(tuple(classes), counts.get("every", 1), counts.get("first"), field=field)
 
 
 def block_classes(model: nn.Module) -> tuple[str, ...]:
@@ -95,7 +97,7 @@ def matching_blocks(model: nn.Module, policy: CheckpointPolicy) -> list[tuple[st
     classes = policy.classes or block_classes(model)
     if not classes:
         raise ConfigError(
-            "activation_checkpointing",
+            policy.field,
             f"every:{policy.every}",
             "needs module class names: this model has no ModuleList or Sequential of repeated blocks",
         )
@@ -103,7 +105,7 @@ def matching_blocks(model: nn.Module, policy: CheckpointPolicy) -> list[tuple[st
     missing = [name for name in classes if name not in present]
     if missing:
         raise ConfigError(
-            "activation_checkpointing",
+            policy.field,
             ",".join(classes),
             f"the model has no module of class {', '.join(missing)}; "
             f"its classes: {', '.join(sorted(present))}",

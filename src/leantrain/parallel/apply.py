@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError
 from leantrain.parallel.env import ClusterEnv
 
@@ -32,10 +33,19 @@ class SingleProcess:
     """One process, one device: nothing to communicate."""
 
     strategy = "single"
+    sharded = False  # True: each process holds a shard of the state (see parallel/fsdp.py)
 
     def __init__(self, model: nn.Module) -> None:
         self.module = model  # what forward and backward run on
         self.model = model  # the unwrapped model: state dicts and weights
+
+    def trained_weights(self, precision: Any) -> dict[str, torch.Tensor]:
+        """The weights to export (call on every rank; a sharded plan gathers them to rank 0)."""
+        return precision.trained_state_dict(self.model)
+
+    def optimizer_params(self, prepared: list[nn.Parameter]) -> list[nn.Parameter]:
+        """What the optimizer updates, given what precision.prepare returned before wrapping."""
+        return prepared
 
     def no_sync(self) -> AbstractContextManager[Any]:
         return nullcontext()
@@ -62,23 +72,12 @@ class DataParallelPlan(SingleProcess):
         self.module = nn.DataParallel(model) if torch.cuda.device_count() > 1 else model
 
 
-class DistributedPlan(SingleProcess):
-    """``DistributedDataParallel``: one process per device, gradients all-reduced in backward."""
-
-    strategy = "ddp"
+class Collectives(SingleProcess):
+    """The collectives every multi-process plan shares (the process group is up)."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         super().__init__(model)
-        device_ids = [device.index] if device.type == "cuda" else None
-        # Gradients as views into the all-reduce buckets: no copy between them after each
-        # all-reduce, and one gradient-sized buffer less.
-        self.module = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
         self.device = device
-
-    def no_sync(self) -> AbstractContextManager[Any]:
-        # Gradients of non-final micro-batches only accumulate locally; the all-reduce
-        # runs once, during the final micro-batch's backward.
-        return self.module.no_sync()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
@@ -98,11 +97,29 @@ class DistributedPlan(SingleProcess):
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+class DistributedPlan(Collectives):
+    """``DistributedDataParallel``: one process per device, gradients all-reduced in backward."""
+
+    strategy = "ddp"
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        super().__init__(model, device)
+        device_ids = [device.index] if device.type == "cuda" else None
+        # Gradients as views into the all-reduce buckets: no copy between them after each
+        # all-reduce, and one gradient-sized buffer less.
+        self.module = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        # Gradients of non-final micro-batches only accumulate locally; the all-reduce
+        # runs once, during the final micro-batch's backward.
+        return self.module.no_sync()
+
+
 def resolve_strategy(strategy: str, env: ClusterEnv) -> str:
     """The concrete strategy for a config value, or a ConfigError when it cannot run here."""
     if strategy == "auto":
         return "ddp" if env.distributed else "single"
-    if strategy == "ddp" and not env.distributed:
+    if strategy in ("ddp", "fsdp") and not env.distributed:
         raise ConfigError(
             "strategy", strategy, "needs several processes: run `leantrain launch --nproc-per-node N fit ...`"
         )
@@ -113,10 +130,21 @@ def resolve_strategy(strategy: str, env: ClusterEnv) -> str:
     return strategy
 
 
-def parallelize(model: nn.Module, strategy: str, device: torch.device) -> SingleProcess:
-    """Wrap the model for a resolved strategy (the process group, if any, is already up)."""
+def parallelize(
+    model: nn.Module, strategy: str, device: torch.device, cfg: TrainConfig | None = None
+) -> SingleProcess:
+    """Wrap the model for a resolved strategy (the process group, if any, is already up).
+
+    Called after precision.prepare and activation checkpointing: wrappers come last, so
+    that they see the model as it will run.
+    """
     if strategy == "ddp":
         return DistributedPlan(model, device)
+    if strategy == "fsdp":
+        from leantrain.parallel.fsdp import ShardedPlan  # torch.distributed.fsdp, only when used
+
+        settings = cfg or TrainConfig(strategy="fsdp")  # fp32, the model's repeated blocks
+        return ShardedPlan(model, device, settings.precision, settings.shard_blocks)
     if strategy == "dp":
         return DataParallelPlan(model)
     return SingleProcess(model)

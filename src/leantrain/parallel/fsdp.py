@@ -1,0 +1,123 @@
+"""``--strategy fsdp``: FSDP2 (``fully_shard``), parameters, gradients and optimizer state sharded.
+
+Each process keeps 1/world of every parameter (a ``DTensor`` shard), of its gradient and of
+the optimizer state. A block is gathered whole just before it runs and freed after, in
+forward and again in backward; gradients are reduce-scattered, each process keeping its
+shard. Units: every module of the ``shard_blocks`` classes (default: the model's repeated
+blocks, as for activation checkpointing), then the root for what is left.
+
+Precision: ``32``, or ``bf16-mixed`` through FSDP's own mixed-precision policy: fp32 shards
+(the master weights), gathered and computed in bf16, gradients reduced in fp32.
+
+Accumulation: the reduce-scatter is skipped on non-final micro-batches
+(``set_requires_gradient_sync(False)``, the FSDP form of DDP's ``no_sync``); the gradients
+then accumulate *unsharded* until the final micro-batch, which costs one full gradient of
+memory per process during accumulation. That is FSDP's documented trade (communication
+once per step); with little memory, fewer accumulation steps and larger micro-batches
+avoid it.
+
+Checkpoints: ``torch.distributed.checkpoint`` writes each process's shards into a folder
+beside the checkpoint file (``step-N.dcp/``); rank 0 writes the file itself, with everything
+that is not sharded, last, so that a checkpoint file exists only when its shards are
+complete. The final weights are gathered to rank 0 for ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from leantrain.checkpoint import check_shards
+from leantrain.errors import CheckpointError, ConfigError
+from leantrain.memory.checkpointing import CheckpointPolicy, block_classes, matching_blocks
+from leantrain.parallel.apply import Collectives
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_units(model: nn.Module, shard_blocks: str | None) -> list[tuple[str, nn.Module]]:
+    """The modules sharded as units before the root: the named classes, or the repeated blocks."""
+    if shard_blocks is None and not block_classes(model):
+        return []  # no repeated blocks: the root alone is one unit
+    if shard_blocks is None:
+        policy = CheckpointPolicy(field="shard_blocks")  # the repeated blocks
+    else:
+        policy = CheckpointPolicy.parse(shard_blocks, field="shard_blocks")
+    return matching_blocks(model, policy)
+
+
+class ShardedPlan(Collectives):
+    strategy = "fsdp"
+    sharded = True
+
+    def __init__(
+        self, model: nn.Module, device: torch.device, precision: str, shard_blocks: str | None
+    ) -> None:
+        super().__init__(model, device)
+        if precision not in ("32", "bf16-mixed"):
+            raise ConfigError("precision", precision, "with strategy fsdp: 32 or bf16-mixed")
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        policy = mixed_precision_policy(precision)
+        self.units = [name for name, _ in shard_units(model, shard_blocks)]
+        for _, block in shard_units(model, shard_blocks):
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)  # the module itself becomes an FSDPModule
+
+    @contextmanager
+    def _without_gradient_sync(self) -> Iterator[None]:
+        self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def no_sync(self) -> Any:
+        return self._without_gradient_sync()
+
+    def optimizer_params(self, prepared: list[nn.Parameter]) -> list[nn.Parameter]:
+        # fully_shard replaced every parameter by a sharded one: the optimizer takes those.
+        return list(self.model.parameters())
+
+    def trained_weights(self, precision: Any) -> dict[str, torch.Tensor]:
+        """The full weights, gathered on rank 0 (a collective: every rank calls it; others get {})."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)
+
+    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        """Every rank writes its shards of the model and optimizer state into ``folder``."""
+        model_state, optimizer_state = get_state_dict(self.model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+
+    def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+        """Read the shards saved by ``save_sharded`` into the model and the optimizer."""
+        check_shards(checkpoint, folder)
+        model_state, optimizer_state = get_state_dict(self.model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        try:
+            dcp.load(state, checkpoint_id=str(folder))
+        except Exception as error:  # DCP raises its own CheckpointException and plain errors
+            reason = " ".join(str(error).split())[:300]
+            raise CheckpointError(
+                f"checkpoint {checkpoint}: cannot load its sharded state {folder}: {reason}"
+            ) from None
+        set_state_dict(
+            self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )

@@ -1,0 +1,58 @@
+"""--strategy fsdp on 2 real processes: the same parameters as one process, exact sharded resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from leantrain.checkpoint import export_checkpoint
+from tests.distributed.conftest import leantrain, run_with_one_kill
+
+FIT = "fit --global-batch-size 16 --micro-batch-size 4 --max-steps 20 --progress plain --tensorboard false"
+FIT = FIT.split()
+
+
+def train(out, task: str, *flags: str, processes: int = 1) -> dict[str, torch.Tensor]:
+    arguments = [*FIT, "--task", f"tests.distributed.tasks:{task}", "--out", str(out), *flags]
+    if processes == 1:
+        leantrain(*arguments)
+    else:
+        leantrain("launch", "--nproc-per-node", str(processes), *arguments)
+    return load_file(out / "model.safetensors")
+
+
+@pytest.mark.parametrize(("task", "tolerance"), [("mean_task", 1e-10), ("sum_task", 1e-10),
+                                                 ("mean_task_fp32", 1e-5)])  # fmt: skip
+def test_fsdp_on_two_processes_trains_as_one_process(tmp_path, task, tolerance):
+    one = train(tmp_path / "one", task, "--micro-batch-size", "16")
+    # 2 x (micro 4 x 2 accumulation): the reduce-scatter skipped on the first micro-batch
+    two = train(tmp_path / "two", task, "--strategy", "fsdp", "--shard-blocks", "Linear", processes=2)
+    for name, tensor in one.items():
+        assert two[name].dtype == tensor.dtype
+        assert float((two[name] - tensor).abs().max()) <= tolerance, name
+    single, sharded = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("one", "two"))
+    assert sharded["strategy"] == "fsdp"
+    # Each process holds half of every parameter (every dim 0 here is even), gradient and state.
+    for kind in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert sharded[kind] * 2 == single[kind], kind
+
+
+def test_a_killed_sharded_run_resumes_bit_identical(tmp_path):
+    flags = "--task tests.distributed.tasks:slow_sum_task --max-steps 40 --checkpoint-every 4"
+    flags = [*flags.split(), "--log-every-n-steps", "1", "--resume", "auto", "--strategy", "fsdp"]
+    leantrain("launch", "--nproc-per-node", "2", *FIT, *flags, "--out", str(tmp_path / "uninterrupted"))
+    stdout = run_with_one_kill([*FIT, *flags, "--out", str(tmp_path / "restarted")], kill_after="step 10/")
+    assert "resumed after step" in stdout
+    expected = load_file(tmp_path / "uninterrupted" / "model.safetensors")
+    actual = load_file(tmp_path / "restarted" / "model.safetensors")
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+    # The last checkpoint's shards, gathered by `leantrain export`, are the final weights.
+    checkpoints = tmp_path / "restarted" / "checkpoints"
+    exported = load_file(export_checkpoint(checkpoints / "step-00000040.pt", tmp_path / "export.safetensors"))
+    assert all(torch.equal(exported[name], expected[name]) for name in expected)
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        f"step-000000{step}.{kind}" for step in (32, 36, 40) for kind in ("dcp", "pt")
+    ]
