@@ -25,7 +25,7 @@ NanPolicy = Literal["stop", "skip"]
 WorkerChoice = Literal["auto", "tune"]
 Auto = Literal["auto"]
 LrScaling = Literal["none", "linear", "sqrt"]
-Strategy = Literal["auto", "single", "ddp", "dp", "fsdp"]
+Strategy = Literal["auto", "single", "ddp", "dp", "fsdp", "split"]
 # Precisions FSDP2 runs: its mixed-precision policy keeps fp32 shards (the master weights)
 # and computes in bf16, which is what bf16-true buys elsewhere.
 FSDP_PRECISIONS = ("32", "bf16-mixed")
@@ -138,6 +138,12 @@ class TrainConfig:
         "auto: ddp when launched as several processes, else single; dp: DataParallel; fsdp: parameters, "
         "gradients and optimizer state sharded over the processes (FSDP2)",
     )
+    device_map: str | None = _field(
+        None,
+        "parallel",
+        "with split: the devices of the model's consecutive parts, e.g. cuda:0,cuda:1 (the repeated "
+        "blocks divided evenly; inputs on the first device)",
+    )
     shard_blocks: str | None = _field(
         None,
         "parallel",
@@ -204,6 +210,7 @@ class TrainConfig:
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise ConfigError("prefetch_factor", self.prefetch_factor, "needs num_workers > 0")
         self._validate_sharding()
+        self._validate_split()
         if self.resume == "auto" and self.out_dir is None:
             raise ConfigError("resume", self.resume, "needs out_dir: the run folder to resume")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
@@ -226,6 +233,18 @@ class TrainConfig:
                 f"must divide the per-process batch {per_rank} (global_batch_size {self.global_batch_size}"
                 f" / world size {world_size}); allowed: {', '.join(map(str, divisors))}",
             )
+
+    def _validate_split(self) -> None:
+        if (self.strategy == "split") != (self.device_map is not None):
+            raise ConfigError(
+                "device_map", self.device_map, "is needed with strategy split, and only with it"
+            )
+        if self.strategy == "split" and self.precision.endswith("-true"):
+            raise ConfigError("precision", self.precision, "with strategy split: 32, bf16-mixed or 16-mixed")
+        if self.device_map is not None:
+            from leantrain.parallel.split import parse_device_map  # torch, only when used
+
+            parse_device_map(self.device_map)
 
     def _validate_sharding(self) -> None:
         if self.shard_blocks is not None and self.strategy != "fsdp":

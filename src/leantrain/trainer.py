@@ -47,7 +47,14 @@ from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, break
 from leantrain.memory.adaptive import MicroBatchSizer, scale_learning_rates
 from leantrain.memory.checkpointing import CheckpointPolicy, apply_activation_checkpointing
 from leantrain.memory.plan import fewest_checkpointed_blocks
-from leantrain.parallel.apply import SingleProcess, init_process_group, parallelize, resolve_strategy
+from leantrain.parallel.apply import (
+    SingleProcess,
+    build_device,
+    init_process_group,
+    parallelize,
+    resolve_strategy,
+    run_device,
+)
 from leantrain.parallel.env import ClusterEnv, detect
 from leantrain.precision import Precision, make_precision
 from leantrain.runtime import (
@@ -180,7 +187,7 @@ class Trainer:
         check_task(task, name)
         env = detect()
         strategy = resolve_strategy(cfg.strategy, env)
-        device = _process_device(resolve_device(cfg.device), env)
+        device = _process_device(run_device(strategy, resolve_device(cfg.device), cfg), env)
         run_dir = _prepare_run_dir(cfg.out_dir, name, cfg.resume)
         created_group = init_process_group(env, device)
         run = None
@@ -227,7 +234,7 @@ class _Run:
         self.started = started  # perf_counter() when fit() began
         self.instruments = instruments
         self.plan = BatchPlan.from_config(cfg, world_size=env.world_size)
-        self.model = _build_model(task, device)  # unwrapped: state dicts and weights
+        self.model = _build_model(task, build_device(strategy, device))  # unwrapped: state dicts, weights
         self.precision = instruments.precision(make_precision(cfg.precision, device))
         # Before any wrapper: true 16-bit converts the model; the optimizer gets the fp32 masters.
         self.optimizer_params = optimizer_params = self.precision.prepare(self.model)

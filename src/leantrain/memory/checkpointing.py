@@ -110,7 +110,8 @@ def matching_blocks(model: nn.Module, policy: CheckpointPolicy) -> list[tuple[st
             f"the model has no module of class {', '.join(missing)}; "
             f"its classes: {', '.join(sorted(present))}",
         )
-    found = [(name, m) for name, m in model.named_modules() if type(m).__name__ in classes]
+    # The root is no block of itself (a Sequential of Sequentials would match it).
+    found = [(name, m) for name, m in model.named_modules() if name and type(m).__name__ in classes]
     # A match inside another match would be recomputed twice: keep the outermost only.
     outer = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found if o != n)]
     return outer[:: policy.every][: policy.first]

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError
 from leantrain.parallel.env import ClusterEnv
+from leantrain.runtime import resolve_device
 
 DP_WARNING = (
     "strategy dp (DataParallel) drives every GPU from one process: each step it scatters the "
@@ -123,9 +124,11 @@ def resolve_strategy(strategy: str, env: ClusterEnv) -> str:
         raise ConfigError(
             "strategy", strategy, "needs several processes: run `leantrain launch --nproc-per-node N fit ...`"
         )
-    if strategy in ("single", "dp") and env.distributed:
+    if strategy in ("single", "dp", "split") and env.distributed:
         raise ConfigError(
-            "strategy", strategy, f"runs in one process, but {env.world_size} were launched; use ddp or auto"
+            "strategy",
+            strategy,
+            f"runs in one process, but {env.world_size} were launched; use ddp, fsdp or auto",
         )
     return strategy
 
@@ -140,6 +143,12 @@ def parallelize(
     """
     if strategy == "ddp":
         return DistributedPlan(model, device)
+    if strategy == "split":
+        from leantrain.parallel.split import SplitPlan, parse_device_map
+
+        if cfg is None or cfg.device_map is None:
+            raise ConfigError("device_map", None, "is needed with strategy split")
+        return SplitPlan(model, parse_device_map(cfg.device_map))
     if strategy == "fsdp":
         from leantrain.parallel.fsdp import ShardedPlan  # torch.distributed.fsdp, only when used
 
@@ -148,6 +157,23 @@ def parallelize(
     if strategy == "dp":
         return DataParallelPlan(model)
     return SingleProcess(model)
+
+
+def run_device(strategy: str, device: torch.device, cfg: TrainConfig) -> torch.device:
+    """Where inputs go: the configured device, or with split the first device of the map."""
+    if strategy != "split" or cfg.device_map is None:
+        return device
+    from leantrain.parallel.split import parse_device_map
+
+    # Every device of the map must exist here (a one-line ConfigError otherwise).
+    devices = [resolve_device(str(part)) for part in parse_device_map(cfg.device_map)]
+    return devices[0]
+
+
+def build_device(strategy: str, device: torch.device) -> torch.device:
+    """Where the model is built: with split on the CPU, each part then moved to its own device
+    (the whole model need not fit the first one)."""
+    return torch.device("cpu") if strategy == "split" else device
 
 
 def init_process_group(env: ClusterEnv, device: torch.device) -> bool:

@@ -1,0 +1,113 @@
+"""``--strategy split --device-map D0,D1,...``: one process, the model cut into consecutive parts.
+
+The model's repeated blocks (as for activation checkpointing) are divided in order into as
+many runs as there are devices, balanced by block count: part ``i`` runs on device ``Di``.
+Modules registered before the first block (embeddings) go with the first part, modules
+after the last block (final norm, head) with the last. A forward pre-hook on every placed
+module moves the tensors it receives to its device, so activations travel from part to
+part; inputs arrive on the first device (the run's device), and the loss is computed
+where the last module left its output. Weights tied across parts stay with their first
+user, and the hook takes its inputs there.
+
+One device computes at a time: a split is for a model that does not fit one device, not
+for speed (``pipeline`` keeps several busy). The devices may all be the CPU, which is how
+it is tested without GPUs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from leantrain.errors import ConfigError
+from leantrain.memory.checkpointing import CheckpointPolicy, matching_blocks
+from leantrain.parallel.apply import SingleProcess
+
+
+def parse_device_map(text: str) -> list[torch.device]:
+    """``"cuda:0,cuda:1"`` -> devices; a ConfigError naming ``device_map`` otherwise."""
+    names = [name.strip() for name in text.split(",")]
+    try:
+        devices = [torch.device(name) for name in names if name]
+    except RuntimeError:
+        devices = []
+    if len(devices) < 2 or len(devices) != len(names):
+        raise ConfigError("device_map", text, "needs two or more comma-separated devices, e.g. cuda:0,cuda:1")
+    return devices
+
+
+def balanced_parts(count: int, parts: int) -> list[int]:
+    """The part of each of ``count`` consecutive items, ``parts`` runs as equal as they can be."""
+    return [index * parts // count for index in range(count)]
+
+
+def placement(model: nn.Module, parts: int) -> dict[str, int]:
+    """Module name -> part, for the repeated blocks and for the modules around them that hold
+    tensors: before the first block, part 0; after a block, that block's part."""
+    blocks = [name for name, _ in matching_blocks(model, CheckpointPolicy(field="device_map"))]
+    if len(blocks) < parts:
+        raise ConfigError(
+            "device_map", f"{parts} devices", f"needs as many repeated blocks; the model has {len(blocks)}"
+        )
+    block_part = dict(zip(blocks, balanced_parts(len(blocks), parts), strict=True))
+    where: dict[str, int] = {}
+    current = 0
+    for name, module in model.named_modules():
+        if name in block_part:
+            current = where[name] = block_part[name]
+        elif (
+            name and not any(name.startswith(block + ".") for block in block_part) and _holds_tensors(module)
+        ):
+            where[name] = current
+    return where
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(
+        True for _ in module.buffers(recurse=False)
+    )
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+class SplitPlan(SingleProcess):
+    """One process; the model's parts on their devices, activations moved between them."""
+
+    strategy = "split"
+
+    def __init__(self, model: nn.Module, devices: list[torch.device]) -> None:
+        super().__init__(model)
+        self.devices = devices
+        self.placement = placement(model, len(devices))
+        modules = dict(model.named_modules())
+        moved: set[int] = set()
+        for name, part in self.placement.items():
+            module = modules[name]
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if id(tensor) not in moved:  # a tied weight stays with its first user
+                    moved.add(id(tensor))
+                    tensor.data = tensor.data.to(devices[part])
+            home = next(iter(module.parameters()), None)
+            module.register_forward_pre_hook(self._mover(home.device if home is not None else devices[part]),
+                                             with_kwargs=True)  # fmt: skip
+
+    @staticmethod
+    def _mover(device: torch.device) -> Any:
+        def move_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return _to_device(args, device), _to_device(kwargs, device)
+
+        return move_inputs
+
+    def parts(self) -> list[list[str]]:
+        """The placed module names of each part, in device-map order."""
+        return [[n for n, p in self.placement.items() if p == part] for part in range(len(self.devices))]

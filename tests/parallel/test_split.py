@@ -1,0 +1,65 @@
+"""--strategy split: consecutive parts on their devices, in one process (devices: the CPU here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import leantrain as lt
+from leantrain.examples import load_example
+from leantrain.parallel.split import SplitPlan, balanced_parts, parse_device_map
+from tests.conftest import RegressionTask
+
+
+class Deeper(RegressionTask):
+    """Four repeated blocks between an input and an output layer, in float64."""
+
+    def model(self) -> nn.Module:
+        blocks = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)]
+        return nn.Sequential(nn.Linear(6, 16), *blocks, nn.Linear(16, 4)).to(self.dtype)
+
+
+def test_a_split_model_trains_exactly_as_the_whole_model(fit):
+    whole = fit(Deeper(), global_batch_size=16, micro_batch_size=4, max_steps=10)
+    split = fit(Deeper(), global_batch_size=16, micro_batch_size=4, max_steps=10,
+                strategy="split", device_map="cpu,cpu")  # fmt: skip
+    assert split.strategy == "split"
+    for name, value in whole.model.state_dict().items():
+        assert torch.equal(split.model.state_dict()[name], value), name
+
+
+def test_blocks_are_divided_in_order_and_the_rest_goes_to_the_ends() -> None:
+    plan = SplitPlan(Deeper().model(), parse_device_map("cpu,cpu"))
+    # the 6->16 input layer is a Linear too, but the repeated blocks are the Sequentials
+    assert plan.parts() == [["0", "1", "2"], ["3", "4", "5"]]
+    charlm = SplitPlan(load_example("charlm").model(), parse_device_map("cpu,cpu,cpu"))
+    # 4 blocks over 3 devices: 2, 1, 1; embeddings first, the final norm and the head last
+    assert charlm.parts() == [
+        ["token", "position", "blocks.0", "blocks.1"],
+        ["blocks.2"],
+        ["blocks.3", "norm", "head"],
+    ]
+
+
+def test_parts_are_as_equal_as_they_can_be() -> None:
+    assert balanced_parts(5, 2) == [0, 0, 0, 1, 1]
+    assert balanced_parts(4, 4) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"strategy": "split"}, "device_map"),
+    ({"device_map": "cpu,cpu"}, "device_map"),
+    ({"strategy": "split", "device_map": "cpu"}, "device_map"),
+    ({"strategy": "split", "device_map": "cpu,warp:3"}, "device_map"),
+    ({"strategy": "split", "device_map": "cpu,cpu", "precision": "bf16-true"}, "precision"),
+])  # fmt: skip
+def test_bad_split_settings_are_one_line_errors(fields, field) -> None:
+    with pytest.raises(lt.ConfigError) as caught:
+        lt.TrainConfig(**fields)
+    assert caught.value.field == field and "\n" not in str(caught.value)
+
+
+def test_more_devices_than_blocks_is_refused() -> None:
+    with pytest.raises(lt.ConfigError, match="needs as many repeated blocks; the model has 4"):
+        SplitPlan(Deeper().model(), parse_device_map(",".join(["cpu"] * 5)))
