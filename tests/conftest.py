@@ -48,6 +48,14 @@ class RegressionTask:
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
+class DeepRegression(RegressionTask):
+    """Four repeated blocks between an input and an output layer: something to split or pipeline."""
+
+    def model(self) -> nn.Module:
+        blocks = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)]
+        return nn.Sequential(nn.Linear(6, 16), *blocks, nn.Linear(16, 4)).to(self.dtype)
+
+
 class PoisonedSteps(RegressionTask):
     """A RegressionTask whose loss is multiplied by ``factor`` on the given loss calls (1-based)."""
 

@@ -25,7 +25,8 @@ NanPolicy = Literal["stop", "skip"]
 WorkerChoice = Literal["auto", "tune"]
 Auto = Literal["auto"]
 LrScaling = Literal["none", "linear", "sqrt"]
-Strategy = Literal["auto", "single", "ddp", "dp", "fsdp", "split"]
+Strategy = Literal["auto", "single", "ddp", "dp", "fsdp", "split", "pipeline"]
+PipelineSchedule = Literal["1f1b", "gpipe"]
 # Precisions FSDP2 runs: its mixed-precision policy keeps fp32 shards (the master weights)
 # and computes in bf16, which is what bf16-true buys elsewhere.
 FSDP_PRECISIONS = ("32", "bf16-mixed")
@@ -144,6 +145,15 @@ class TrainConfig:
         "with split: the devices of the model's consecutive parts, e.g. cuda:0,cuda:1 (the repeated "
         "blocks divided evenly; inputs on the first device)",
     )
+    pipeline_stages: int | None = _field(
+        None,
+        "parallel",
+        "with pipeline: processes per pipeline (the model's stages); the processes launched divided by "
+        "it run side by side as data-parallel pipelines (hybrid)",
+    )
+    pipeline_schedule: PipelineSchedule = _field(
+        "1f1b", "parallel", "with pipeline: 1f1b (fewer activations alive) or gpipe (all forwards first)"
+    )
     shard_blocks: str | None = _field(
         None,
         "parallel",
@@ -211,12 +221,17 @@ class TrainConfig:
             raise ConfigError("prefetch_factor", self.prefetch_factor, "needs num_workers > 0")
         self._validate_sharding()
         self._validate_split()
+        self._validate_pipeline()
         if self.resume == "auto" and self.out_dir is None:
             raise ConfigError("resume", self.resume, "needs out_dir: the run folder to resume")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ConfigError("device", self.device, "allowed: auto, cpu, cuda, cuda:N, mps")
 
     def _validate_batch(self, world_size: int) -> None:
+        stages = self.pipeline_stages or 1
+        if world_size > 1 and world_size % stages:  # world 1: checked alone, before a launch
+            raise ConfigError("pipeline_stages", stages, f"must divide the number of processes {world_size}")
+        world_size = max(1, world_size // stages)  # data-parallel ranks: a pipeline's stages share samples
         per_rank, rest = divmod(self.global_batch_size, world_size)
         if rest:
             raise ConfigError(
@@ -232,6 +247,22 @@ class TrainConfig:
                 micro,
                 f"must divide the per-process batch {per_rank} (global_batch_size {self.global_batch_size}"
                 f" / world size {world_size}); allowed: {', '.join(map(str, divisors))}",
+            )
+
+    def _validate_pipeline(self) -> None:
+        if (self.strategy == "pipeline") != (self.pipeline_stages is not None):
+            raise ConfigError(
+                "pipeline_stages", self.pipeline_stages, "is needed with strategy pipeline, and only with it"
+            )
+        if self.strategy != "pipeline":
+            return
+        if self.precision not in ("32", "bf16-mixed"):
+            raise ConfigError("precision", self.precision, "with strategy pipeline: 32 or bf16-mixed")
+        if self.micro_batch_size == "auto" or self.memory_budget is not None:
+            raise ConfigError(
+                "strategy",
+                "pipeline",
+                "does not yet adapt the micro-batch: set micro_batch_size, no memory_budget",
             )
 
     def _validate_split(self) -> None:
@@ -291,6 +322,7 @@ _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "global_batch_size": (_positive, "must be a positive integer"),
     "micro_batch_size": (lambda v: v == "auto" or v > 0, "must be a positive integer, auto or null"),
     "reference_batch_size": (_positive, "must be a positive integer"),
+    "pipeline_stages": (lambda v: v >= 2, "must be 2 or more"),
     "max_steps": (_positive, "must be a positive integer"),
     "max_epochs": (_positive, "must be a positive integer"),
     "max_grad_norm": (_positive, "must be a positive number"),

@@ -55,6 +55,7 @@ from leantrain.parallel.apply import (
     resolve_strategy,
     run_device,
 )
+from leantrain.parallel.dims import ParallelDims
 from leantrain.parallel.env import ClusterEnv, detect
 from leantrain.precision import Precision, make_precision
 from leantrain.runtime import (
@@ -233,7 +234,13 @@ class _Run:
         self.cfg, self.task, self.device, self.run_dir, self.env = cfg, task, device, run_dir, env
         self.started = started  # perf_counter() when fit() began
         self.instruments = instruments
-        self.plan = BatchPlan.from_config(cfg, world_size=env.world_size)
+        pipeline_stages = cfg.pipeline_stages if strategy == "pipeline" else None
+        if pipeline_stages and callable(getattr(task, "augment", None)):
+            # The first and the last stage each run the task's loss: they would augment differently.
+            raise TaskError("task.augment is not supported under strategy pipeline yet")
+        self.dims = ParallelDims.of(env.world_size, pipeline_stages)
+        self.data_env = self.dims.data_env(env)  # the stages of one pipeline load the same samples
+        self.plan = BatchPlan.from_config(cfg, world_size=self.dims.dp)
         self.model = _build_model(task, build_device(strategy, device))  # unwrapped: state dicts, weights
         self.precision = instruments.precision(make_precision(cfg.precision, device))
         # Before any wrapper: true 16-bit converts the model; the optimizer gets the fp32 masters.
@@ -290,11 +297,22 @@ class _Run:
         self.accumulator = self._make_accumulator()
         self.pin_memory = cfg.pin_memory if cfg.pin_memory is not None else device.type == "cuda"
         self.train_loader, self.num_workers, prefetch = build_train_loader(
-            self.data, cfg, env, self.plan, self.total_steps, self.start_step, self.pin_memory
+            self.data, cfg, self.data_env, self.plan, self.total_steps, self.start_step, self.pin_memory
         )
-        self.val_loader = build_val_loader(
-            task, cfg, env, self.plan, self.num_workers, prefetch, self.pin_memory, self.data.notes
-        )
+        self.val_loader = None
+        if self.parallel.can_validate:
+            self.val_loader = build_val_loader(
+                task,
+                cfg,
+                self.data_env,
+                self.plan,
+                self.num_workers,
+                prefetch,
+                self.pin_memory,
+                self.data.notes,
+            )
+        elif callable(getattr(task, "val_data", None)):
+            self.notes.append(f"no validation under strategy {strategy} (not supported yet)")
         self.logger = RunLogger(
             run_dir, self.total_steps, cfg.progress, cfg.tensorboard, self.start_step, enabled=env.is_main
         )
@@ -313,15 +331,8 @@ class _Run:
         self.health = PrecisionHealth(self.progress, self.logger.warning)
 
     def _make_accumulator(self) -> Accumulator:
-        return Accumulator(
-            self.plan,
-            self.precision,
-            self.model.parameters(),
-            self.cfg.max_grad_norm,
-            self.parallel.no_sync,
-            self.parallel.all_reduce_sum,
-            self.sizer.agree_on_oom if self.sizer.adaptive else None,
-        )
+        agree_on_oom = self.sizer.agree_on_oom if self.sizer.adaptive else None
+        return self.parallel.accumulator(self.plan, self.precision, self.cfg.max_grad_norm, agree_on_oom)
 
     def _shrink_micro_batch(self, step: int, reason: str) -> Any:
         """Halve the micro-batch (the global batch stays) and reload from ``step``; the new batches."""
@@ -339,7 +350,7 @@ class _Run:
             )
         self.accumulator = self._make_accumulator()
         self.train_loader, _, _ = build_train_loader(
-            self.data, self.cfg, self.env, self.plan, self.total_steps, step, self.pin_memory
+            self.data, self.cfg, self.data_env, self.plan, self.total_steps, step, self.pin_memory
         )
         self.logger.warning(
             f"{reason} at step {step + 1}: micro-batch {old} -> {self.plan.micro_batch_size} "
@@ -576,7 +587,7 @@ class _Run:
             wall_seconds=self._wall_seconds(),
             micro_batch_size=self.plan.micro_batch_size,
             accumulation_steps=self.plan.accumulation_steps,
-            world_size=self.plan.world_size,
+            world_size=self.env.world_size,
             precision=self.precision.name,
             strategy=self.parallel.strategy,
             peak_memory_bytes=peak_memory_bytes(self.device),

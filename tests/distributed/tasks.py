@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import HeavyFromStep, PoisonedSteps, RegressionTask, StreamedRegression
+from tests.conftest import DeepRegression, HeavyFromStep, PoisonedSteps, RegressionTask, StreamedRegression
 
 
 def mean_task() -> RegressionTask:
@@ -17,6 +17,18 @@ def mean_task() -> RegressionTask:
 
 def mean_task_fp32() -> RegressionTask:
     return RegressionTask(loss_kind="mean", dtype=torch.float32)
+
+
+def deep_task() -> DeepRegression:
+    return DeepRegression(loss_kind="mean")
+
+
+def deep_sum_task() -> DeepRegression:
+    return DeepRegression(loss_kind="sum")
+
+
+def deep_task_fp32() -> DeepRegression:
+    return DeepRegression(loss_kind="mean", dtype=torch.float32)
 
 
 def sum_task() -> RegressionTask:

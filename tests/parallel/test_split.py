@@ -4,25 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import leantrain as lt
 from leantrain.examples import load_example
 from leantrain.parallel.split import SplitPlan, balanced_parts, parse_device_map
-from tests.conftest import RegressionTask
-
-
-class Deeper(RegressionTask):
-    """Four repeated blocks between an input and an output layer, in float64."""
-
-    def model(self) -> nn.Module:
-        blocks = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)]
-        return nn.Sequential(nn.Linear(6, 16), *blocks, nn.Linear(16, 4)).to(self.dtype)
+from tests.conftest import DeepRegression
 
 
 def test_a_split_model_trains_exactly_as_the_whole_model(fit):
-    whole = fit(Deeper(), global_batch_size=16, micro_batch_size=4, max_steps=10)
-    split = fit(Deeper(), global_batch_size=16, micro_batch_size=4, max_steps=10,
+    whole = fit(DeepRegression(), global_batch_size=16, micro_batch_size=4, max_steps=10)
+    split = fit(DeepRegression(), global_batch_size=16, micro_batch_size=4, max_steps=10,
                 strategy="split", device_map="cpu,cpu")  # fmt: skip
     assert split.strategy == "split"
     for name, value in whole.model.state_dict().items():
@@ -30,7 +21,7 @@ def test_a_split_model_trains_exactly_as_the_whole_model(fit):
 
 
 def test_blocks_are_divided_in_order_and_the_rest_goes_to_the_ends() -> None:
-    plan = SplitPlan(Deeper().model(), parse_device_map("cpu,cpu"))
+    plan = SplitPlan(DeepRegression().model(), parse_device_map("cpu,cpu"))
     # the 6->16 input layer is a Linear too, but the repeated blocks are the Sequentials
     assert plan.parts() == [["0", "1", "2"], ["3", "4", "5"]]
     charlm = SplitPlan(load_example("charlm").model(), parse_device_map("cpu,cpu,cpu"))
@@ -62,4 +53,4 @@ def test_bad_split_settings_are_one_line_errors(fields, field) -> None:
 
 def test_more_devices_than_blocks_is_refused() -> None:
     with pytest.raises(lt.ConfigError, match="needs as many repeated blocks; the model has 4"):
-        SplitPlan(Deeper().model(), parse_device_map(",".join(["cpu"] * 5)))
+        SplitPlan(DeepRegression().model(), parse_device_map(",".join(["cpu"] * 5)))

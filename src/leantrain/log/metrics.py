@@ -35,6 +35,15 @@ class LossTracker:
         self._weights.append(weight)
         self._is_mean.append(is_mean)
 
+    def extend(self, other: LossTracker) -> None:
+        """Append ``other``'s entries after this tracker's."""
+        for column, more in zip(
+            (self._steps, self._totals, self._weights, self._is_mean),
+            (other._steps, other._totals, other._weights, other._is_mean),
+            strict=True,
+        ):
+            column.extend(more)
+
     def discard_step(self, step: int) -> None:
         """Forget the losses of ``step`` (the newest), e.g. a step dropped for a non-finite loss."""
         while self._steps and self._steps[-1] == step:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from leantrain.batching import Accumulator, BatchPlan
 from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError
 from leantrain.parallel.env import ClusterEnv
@@ -47,6 +48,22 @@ class SingleProcess:
     def optimizer_params(self, prepared: list[nn.Parameter]) -> list[nn.Parameter]:
         """What the optimizer updates, given what precision.prepare returned before wrapping."""
         return prepared
+
+    can_validate = True  # False: the plan cannot run the whole model's forward (pipeline)
+
+    def accumulator(
+        self, plan: BatchPlan, precision: Any, max_grad_norm: float | None, agree_on_oom: Any
+    ) -> Accumulator:
+        """What runs one optimizer step's micro-batches under this plan."""
+        return Accumulator(
+            plan,
+            precision,
+            self.model.parameters(),
+            max_grad_norm,
+            self.no_sync,
+            self.all_reduce_sum,
+            agree_on_oom,
+        )
 
     def no_sync(self) -> AbstractContextManager[Any]:
         return nullcontext()
@@ -120,7 +137,7 @@ def resolve_strategy(strategy: str, env: ClusterEnv) -> str:
     """The concrete strategy for a config value, or a ConfigError when it cannot run here."""
     if strategy == "auto":
         return "ddp" if env.distributed else "single"
-    if strategy in ("ddp", "fsdp") and not env.distributed:
+    if strategy in ("ddp", "fsdp", "pipeline") and not env.distributed:
         raise ConfigError(
             "strategy", strategy, "needs several processes: run `leantrain launch --nproc-per-node N fit ...`"
         )
@@ -149,6 +166,11 @@ def parallelize(
         if cfg is None or cfg.device_map is None:
             raise ConfigError("device_map", None, "is needed with strategy split")
         return SplitPlan(model, parse_device_map(cfg.device_map))
+    if strategy == "pipeline":
+        from leantrain.parallel.pipeline import PipelinePlan
+
+        assert cfg is not None and cfg.pipeline_stages is not None  # TrainConfig.validate checked it
+        return PipelinePlan(model, device, cfg.pipeline_stages, cfg.pipeline_schedule)
     if strategy == "fsdp":
         from leantrain.parallel.fsdp import ShardedPlan  # torch.distributed.fsdp, only when used
 

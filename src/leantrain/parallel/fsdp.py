@@ -26,25 +26,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from leantrain.checkpoint import check_shards
-from leantrain.errors import CheckpointError, ConfigError
+from leantrain.errors import ConfigError
 from leantrain.memory.checkpointing import CheckpointPolicy, block_classes, matching_blocks
 from leantrain.parallel.apply import Collectives
+from leantrain.parallel.sharded_state import ShardedState
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -64,9 +57,8 @@ def shard_units(model: nn.Module, shard_blocks: str | None) -> list[tuple[str, n
     return matching_blocks(model, policy)
 
 
-class ShardedPlan(Collectives):
+class ShardedPlan(ShardedState, Collectives):
     strategy = "fsdp"
-    sharded = True
 
     def __init__(
         self, model: nn.Module, device: torch.device, precision: str, shard_blocks: str | None
@@ -100,24 +92,3 @@ class ShardedPlan(Collectives):
         """The full weights, gathered on rank 0 (a collective: every rank calls it; others get {})."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
-
-    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
-        """Every rank writes its shards of the model and optimizer state into ``folder``."""
-        model_state, optimizer_state = get_state_dict(self.model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
-
-    def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
-        """Read the shards saved by ``save_sharded`` into the model and the optimizer."""
-        check_shards(checkpoint, folder)
-        model_state, optimizer_state = get_state_dict(self.model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
-        try:
-            dcp.load(state, checkpoint_id=str(folder))
-        except Exception as error:  # DCP raises its own CheckpointException and plain errors
-            reason = " ".join(str(error).split())[:300]
-            raise CheckpointError(
-                f"checkpoint {checkpoint}: cannot load its sharded state {folder}: {reason}"
-            ) from None
-        set_state_dict(
-            self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-        )

@@ -1,0 +1,257 @@
+"""``--strategy pipeline --pipeline-stages N``: the model's consecutive parts on N processes.
+
+Stages: the model must be an ``nn.Sequential`` (its children run one after the other). Its
+repeated blocks are divided in order over the stages as for ``split``; the children around
+them go to the first and last stage. Each process keeps its own children and replaces the
+others by ``nn.Identity``, so parameter names stay those of the whole model (checkpoints and
+weights merge without renaming) and the rest of the model's memory is freed.
+
+A step: the accumulation micro-batches are the pipeline's micro-batches, run by
+``torch.distributed.pipelining`` (``ScheduleGPipe``: all forwards, then all backwards;
+``Schedule1F1B``: one forward, one backward once the pipe is full, fewer activations alive).
+The task's own ``loss(model, batch)`` is used on both ends, unchanged: on the first stage
+with a stand-in model that records what the loss passes to the model (the stage's inputs),
+on the last stage with one that returns the pipeline's output. So the loss must call the
+model exactly once per micro-batch (as under DDP).
+
+With ``dp`` pipelines side by side (hybrid, ``ParallelDims``), gradients are averaged over
+the data-parallel group after the schedule; loss normalisation is then the same as DDP's:
+a mean loss weighted by micro x dp / global, a ``LossSum`` divided by the global count (one
+all-reduce over all processes carries the count, the loss total and whether it is a sum,
+which only the last stage knows). Gradient clipping uses the norm over all stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from leantrain.batching import Accumulator, BatchPlan, LossFn, StepOutcome, StepStatus
+from leantrain.errors import ConfigError, TaskError
+from leantrain.log.metrics import LossTracker
+from leantrain.parallel.apply import Collectives
+from leantrain.parallel.dims import ParallelDims
+from leantrain.parallel.sharded_state import ShardedState
+from leantrain.parallel.split import placement
+from leantrain.precision import GradReport
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def stage_children(model: nn.Sequential, stages: int) -> list[int]:
+    """The stage of each child of ``model``: its repeated blocks divided in order, the other
+    children with the block before them (or the first stage)."""
+    where = placement(model, stages)
+    found, current = [], 0
+    for name, _ in model.named_children():
+        current = where.get(name, current)
+        found.append(current)
+    return found
+
+
+class PipelinePlan(ShardedState, Collectives):
+    strategy = "pipeline"
+    can_validate = False  # validation needs the whole model's forward: not yet under a pipeline
+
+    def __init__(self, model: nn.Module, device: torch.device, pipeline_stages: int, schedule: str) -> None:
+        super().__init__(model, device)
+        if not isinstance(model, nn.Sequential):
+            raise ConfigError(
+                "strategy",
+                "pipeline",
+                f"needs an nn.Sequential model (children run in order); the task's model is a "
+                f"{type(model).__name__}: use fsdp or split",
+            )
+        self.dims = ParallelDims.of(dist.get_world_size(), pipeline_stages)
+        rank = dist.get_rank()
+        self.stage_index = self.dims.stage(rank)
+        mesh = self.dims.mesh(device.type)
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        for (name, _), stage in zip(
+            list(model.named_children()), stage_children(model, self.dims.pp), strict=True
+        ):
+            if stage != self.stage_index:
+                model._modules[name] = nn.Identity()  # another process's part: freed here
+        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.dims.pp - 1
+        self.stage = PipelineStage(model, self.stage_index, self.dims.pp, device, group=self.pp_group)
+        self.schedule_class = SCHEDULES[schedule]
+
+    def optimizer_params(self, prepared: list[nn.Parameter]) -> list[nn.Parameter]:
+        return list(self.model.parameters())  # this stage's: the others are gone
+
+    def trained_weights(self, precision: Any) -> dict[str, torch.Tensor]:
+        """The whole model's weights on rank 0: every stage's part, merged (a collective)."""
+        mine = {k: v.detach().cpu() for k, v in precision.trained_state_dict(self.model).items()}
+        merged: dict[str, torch.Tensor] = {}
+        for part in self.gather(mine if self.dims.pipeline(dist.get_rank()) == 0 else {}):
+            merged.update(part)
+        return merged if dist.get_rank() == 0 else {}
+
+    def accumulator(
+        self, plan: BatchPlan, precision: Any, max_grad_norm: float | None, agree_on_oom: Any
+    ) -> Any:
+        return PipelineAccumulator(plan, precision, self, max_grad_norm)
+
+
+class _Captured(Exception):
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__("captured")
+        self.args, self.kwargs = args, kwargs
+
+
+class _Recorder(nn.Module):
+    """Stands in for the model on the first stage: records the inputs the loss gives it."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise _Captured(args, kwargs)
+
+
+class _Replay(nn.Module):
+    """Stands in for the model on the last stage: returns the pipeline's output."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.output
+
+
+def _model_inputs(loss_fn: LossFn, batch: Any) -> tuple[tuple, dict]:
+    try:
+        loss_fn(_Recorder(), batch)
+    except _Captured as captured:
+        return captured.args, captured.kwargs
+    raise TaskError("task.loss did not call the model: a pipeline needs the model's inputs")
+
+
+def _concatenate(values: list[Any]) -> Any:
+    """Micro-batch inputs joined along the batch dimension (the schedule cuts them again)."""
+    first = values[0]
+    return torch.cat(values) if isinstance(first, torch.Tensor) else first
+
+
+class PipelineAccumulator(Accumulator):
+    """One optimizer step through the pipeline schedule; the same outcome as ``Accumulator``."""
+
+    def __init__(self, plan: BatchPlan, precision: Any, pipeline: PipelinePlan, max_grad_norm: float | None):
+        super().__init__(
+            plan,
+            precision,
+            pipeline.model.parameters(),
+            max_grad_norm,
+            all_reduce_sum=pipeline.all_reduce_sum,
+        )
+        self.pipeline = pipeline
+        self._micro: list[Any] = []
+        self._loss_fn: LossFn | None = None
+        # Per micro-batch index (last stage): its LossSum count (or None), loss term, log entry.
+        # By index, not in call order: the schedule may call the loss once more at start-up.
+        self._results: dict[int, tuple[Any, torch.Tensor, LossTracker]] = {}
+        self._step_index = 0
+        self.schedule = pipeline.schedule_class(
+            pipeline.stage,
+            n_microbatches=plan.accumulation_steps,
+            loss_fn=self._last_stage_loss,
+            scale_grads=False,
+        )
+
+    def _last_stage_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: the task's loss of micro-batch ``index`` (a [1] tensor)."""
+        assert self._loss_fn is not None
+        micro = int(index[0])
+        loss = self._loss_fn(_Replay(output), self._micro[micro])
+        counts: list[Any] = []
+        entry = LossTracker()
+        term = self._backward_term(loss, 0, counts, self._step_index, entry)
+        self._results[micro] = (counts[0] if counts else None, term.detach(), entry)
+        return term
+
+    def step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        batches: Iterator[Any],
+        step_index: int,
+        tracker: LossTracker,
+        inspect_grads: bool = False,
+    ) -> StepOutcome:
+        pipeline, k = self.pipeline, self.plan.accumulation_steps
+        self._micro = [next(batches) for _ in range(k)]
+        self._loss_fn, self._step_index, self._results = loss_fn, step_index, {}
+        args: tuple = ()
+        kwargs: dict = {}
+        if pipeline.is_first:
+            inputs = [_model_inputs(loss_fn, batch) for batch in self._micro]
+            args = tuple(_concatenate([a[i] for a, _ in inputs]) for i in range(len(inputs[0][0])))
+            kwargs = {key: _concatenate([kw[key] for _, kw in inputs]) for key in inputs[0][1]}
+        with self.precision.autocast():
+            if pipeline.is_last:
+                self.schedule.step(*args, target=torch.arange(k), **kwargs)
+            else:
+                self.schedule.step(*args, **kwargs)
+        results = [self._results[micro] for micro in range(k)] if pipeline.is_last else []
+        if len({count is None for count, _, _ in results}) > 1:
+            raise TaskError("task.loss returned a LossSum for some micro-batches and a mean for others")
+        for _, _, entry in results:
+            tracker.extend(entry)
+        if not pipeline.is_last:  # the same log entries as the last stage's, empty
+            for _ in range(k):
+                tracker.add(step_index, torch.zeros((), dtype=torch.float64), 0, True)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if pipeline.dims.dp > 1 and grads:
+            self._average_over_pipelines(grads)
+        total = self._reduce_loss_and_scale(grads, results)
+        norm = None if self.max_grad_norm is None else self._clip_over_stages(grads)
+        status = self._check_finite(total, GradReport(norm, None))
+        if status is StepStatus.STEPPED:
+            self.precision.step(optimizer)
+        else:
+            self.precision.skip_step(overflowed=False)
+        self.precision.zero_grad(optimizer)
+        return StepOutcome(status, norm, None)
+
+    def _average_over_pipelines(self, grads: list[torch.Tensor]) -> None:
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.pipeline.dp_group)
+        flat /= self.pipeline.dims.dp
+        torch._foreach_copy_(grads, list(_unflatten_dense_tensors(flat, grads)))
+
+    def _reduce_loss_and_scale(self, grads: list[torch.Tensor], results: list[tuple]) -> torch.Tensor:
+        """One all-reduce over every process: [is a LossSum, its count, the loss total].
+
+        Only the last stages know them; the others add zeros. A LossSum's gradients are then
+        scaled by dp / global count (after the average over pipelines), on the device."""
+        counts = [count for count, _, _ in results if count is not None]
+        zero = torch.zeros((), dtype=torch.float64)
+        local = torch.stack([
+            torch.tensor(1.0 if counts else 0.0, dtype=torch.float64),
+            torch.as_tensor(sum(counts), dtype=torch.float64) if counts else zero,
+            torch.stack([term.double() for _, term, _ in results]).sum() if results else zero,
+        ])  # fmt: skip
+        is_sum, count, total = self.all_reduce_sum(local)
+        if grads:
+            factor = torch.where(is_sum > 0, self.pipeline.dims.dp / count.clamp(min=1), 1.0)
+            torch._foreach_mul_(grads, factor.to(grads[0].dtype))
+        return total
+
+    def _clip_over_stages(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient: each stage holds part of it."""
+        squares = (
+            torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+            if grads
+            else torch.zeros((), dtype=torch.float64)
+        )
+        dist.all_reduce(squares, group=self.pipeline.pp_group)
+        norm = squares.sqrt()
+        if grads:
+            coefficient = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
+        return norm

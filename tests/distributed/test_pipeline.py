@@ -1,0 +1,75 @@
+"""--strategy pipeline on real processes: 2 stages, and 2 pipelines x 2 stages (hybrid, 4 processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.distributed.conftest import LEANTRAIN, REPO, leantrain, worker_env
+
+FIT = "fit --global-batch-size 16 --micro-batch-size 4 --max-steps 12 --progress plain --tensorboard false"
+FIT = [*FIT.split(), "--log-every-n-steps", "4"]
+
+
+def train(out, task: str, *flags: str, processes: int = 1) -> dict[str, torch.Tensor]:
+    arguments = [*FIT, "--task", f"tests.distributed.tasks:{task}", "--out", str(out), *flags]
+    if processes == 1:
+        leantrain(*arguments)
+    else:
+        leantrain("launch", "--nproc-per-node", str(processes), *arguments)
+    return load_file(out / "model.safetensors")
+
+
+def assert_close(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tolerance: float
+) -> None:
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype
+        assert float((actual[name] - tensor).abs().max()) <= tolerance, name
+
+
+@pytest.mark.parametrize(("task", "schedule", "tolerance"), [
+    ("deep_task", "1f1b", 1e-10),
+    ("deep_sum_task", "gpipe", 1e-10),
+    ("deep_task_fp32", "1f1b", 1e-5),
+])  # fmt: skip
+def test_two_stages_train_as_one_process(tmp_path, task, schedule, tolerance):
+    one = train(tmp_path / "one", task, "--micro-batch-size", "16")
+    # 4 micro-batches of 4 flow through the 2 stages
+    two = train(tmp_path / "two", task, "--strategy", "pipeline", "--pipeline-stages", "2",
+                "--pipeline-schedule", schedule, processes=2)  # fmt: skip
+    assert_close(two, one, tolerance)
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert (summary["strategy"], summary["world_size"], summary["accumulation_steps"]) == ("pipeline", 2, 4)
+
+
+def test_two_pipelines_of_two_stages_train_as_one_process(tmp_path):
+    """Hybrid: a 2 x 2 DeviceMesh; each pipeline takes half the global batch (2 micro-batches of 4)."""
+    one = train(tmp_path / "one", "deep_sum_task", "--micro-batch-size", "16")
+    four = train(tmp_path / "four", "deep_sum_task", "--strategy", "pipeline", "--pipeline-stages", "2",
+                 processes=4)  # fmt: skip
+    assert_close(four, one, 1e-10)
+
+
+def test_a_pipeline_resumes_from_its_sharded_checkpoint_exactly(tmp_path):
+    flags = ["--strategy", "pipeline", "--pipeline-stages", "2", "--checkpoint-every", "4"]
+    whole = train(tmp_path / "whole", "deep_task", *flags, processes=2)
+    train(tmp_path / "parts", "deep_task", *flags, "--max-steps", "6", processes=2)
+    resumed = train(tmp_path / "parts", "deep_task", *flags, "--resume", "auto", processes=2)
+    assert all(torch.equal(resumed[name], whole[name]) for name in whole)
+
+
+def test_stages_that_do_not_divide_the_processes_are_refused_before_launch():
+    flags = ["--strategy", "pipeline", "--pipeline-stages", "2"]
+    done = subprocess.run(
+        [LEANTRAIN, "launch", "--nproc-per-node", "3", *FIT, *flags],
+        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    message = "invalid pipeline_stages=2: must divide the number of processes 3"
+    assert done.stderr.strip() == f"leantrain: error: {message}"
