@@ -57,6 +57,7 @@ from leantrain.parallel.apply import (
 )
 from leantrain.parallel.dims import ParallelDims
 from leantrain.parallel.env import ClusterEnv, detect
+from leantrain.parallel.pipeline import example_inputs
 from leantrain.precision import Precision, make_precision
 from leantrain.runtime import (
     StopSignals,
@@ -258,7 +259,11 @@ class _Run:
                 self.model, CheckpointPolicy.parse(checkpointing)
             )
         self.strategy = strategy
-        self.parallel = instruments.parallel(parallelize(self.model, strategy, device, cfg))
+        self.data = load_train_data(task, cfg, env)
+        example = None
+        if pipeline_stages and not isinstance(self.model, nn.Sequential):
+            example = example_inputs(task, self.data.dataset, self.plan.micro_batch_size, device)
+        self.parallel = instruments.parallel(parallelize(self.model, strategy, device, cfg, example))
         if env.distributed:
             # Every rank drew the same initial weights above (DDP also broadcasts rank 0's).
             # From here on each rank draws its own numbers: dropout masks must differ by rank.
@@ -280,7 +285,6 @@ class _Run:
             "nonfinite_steps": 0,
         }
 
-        self.data = load_train_data(task, cfg, env)
         self.dataset_size = self.data.size  # None for a stream without __len__
         self.steps_per_epoch = None if self.data.size is None else steps_per_epoch(self.data.size, self.plan)
         epoch_steps = cfg.epoch_limit and self.steps_per_epoch and cfg.epoch_limit * self.steps_per_epoch

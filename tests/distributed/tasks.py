@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from leantrain.examples.charlm import CharLMTask
 from tests.conftest import DeepRegression, HeavyFromStep, PoisonedSteps, RegressionTask, StreamedRegression
 
 
@@ -29,6 +30,20 @@ def deep_sum_task() -> DeepRegression:
 
 def deep_task_fp32() -> DeepRegression:
     return DeepRegression(loss_kind="mean", dtype=torch.float32)
+
+
+class TinyCharLM64(CharLMTask):
+    """A float64 transformer with a custom forward and tied embedding/head weights (not a Sequential)."""
+
+    def __init__(self) -> None:
+        super().__init__(block=16, layers=4, heads=2, width=32, max_chars=20_000)
+
+    def model(self) -> torch.nn.Module:
+        return super().model().double()
+
+
+def tiny_charlm() -> TinyCharLM64:
+    return TinyCharLM64()
 
 
 def sum_task() -> RegressionTask:

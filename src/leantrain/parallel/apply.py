@@ -151,12 +151,17 @@ def resolve_strategy(strategy: str, env: ClusterEnv) -> str:
 
 
 def parallelize(
-    model: nn.Module, strategy: str, device: torch.device, cfg: TrainConfig | None = None
+    model: nn.Module,
+    strategy: str,
+    device: torch.device,
+    cfg: TrainConfig | None = None,
+    example_inputs: Any = None,
 ) -> SingleProcess:
     """Wrap the model for a resolved strategy (the process group, if any, is already up).
 
     Called after precision.prepare and activation checkpointing: wrappers come last, so
-    that they see the model as it will run.
+    that they see the model as it will run. ``example_inputs`` (the model's inputs for one
+    micro-batch) lets the pipeline plan trace a model that is not an ``nn.Sequential``.
     """
     if strategy == "ddp":
         return DistributedPlan(model, device)
@@ -170,7 +175,7 @@ def parallelize(
         from leantrain.parallel.pipeline import PipelinePlan
 
         assert cfg is not None and cfg.pipeline_stages is not None  # TrainConfig.validate checked it
-        return PipelinePlan(model, device, cfg.pipeline_stages, cfg.pipeline_schedule)
+        return PipelinePlan(model, device, cfg.pipeline_stages, cfg.pipeline_schedule, example_inputs)
     if strategy == "fsdp":
         from leantrain.parallel.fsdp import ShardedPlan  # torch.distributed.fsdp, only when used
 

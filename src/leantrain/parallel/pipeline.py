@@ -30,18 +30,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
 from leantrain.batching import Accumulator, BatchPlan, LossFn, StepOutcome, StepStatus
 from leantrain.errors import ConfigError, TaskError
 from leantrain.log.metrics import LossTracker
+from leantrain.memory.checkpointing import CheckpointPolicy, matching_blocks
 from leantrain.parallel.apply import Collectives
 from leantrain.parallel.dims import ParallelDims
 from leantrain.parallel.sharded_state import ShardedState
-from leantrain.parallel.split import placement
+from leantrain.parallel.split import balanced_parts, placement
 from leantrain.precision import GradReport
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def example_inputs(
+    task: Any, dataset: Any, micro_batch_size: int, device: torch.device
+) -> tuple[tuple, dict]:
+    """What the task's loss passes to the model for the first micro-batch (the tracer's example)."""
+    from torch.utils.data import default_collate
+
+    from leantrain.data.loader import move_to_device
+    from leantrain.memory.plan import first_items
+
+    batch = move_to_device(default_collate(first_items(dataset, micro_batch_size)), device)
+    return _model_inputs(task.loss, batch)
 
 
 def stage_children(model: nn.Sequential, stages: int) -> list[int]:
@@ -59,35 +73,75 @@ class PipelinePlan(ShardedState, Collectives):
     strategy = "pipeline"
     can_validate = False  # validation needs the whole model's forward: not yet under a pipeline
 
-    def __init__(self, model: nn.Module, device: torch.device, pipeline_stages: int, schedule: str) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        pipeline_stages: int,
+        schedule: str,
+        example_inputs: tuple[tuple, dict] | None = None,
+    ) -> None:
+        """``example_inputs``: the model's (args, kwargs) for one micro-batch, which the tracer
+        needs for a model that is not an ``nn.Sequential``."""
         super().__init__(model, device)
-        if not isinstance(model, nn.Sequential):
-            raise ConfigError(
-                "strategy",
-                "pipeline",
-                f"needs an nn.Sequential model (children run in order); the task's model is a "
-                f"{type(model).__name__}: use fsdp or split",
-            )
         self.dims = ParallelDims.of(dist.get_world_size(), pipeline_stages)
         rank = dist.get_rank()
         self.stage_index = self.dims.stage(rank)
         mesh = self.dims.mesh(device.type)
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        for (name, _), stage in zip(
-            list(model.named_children()), stage_children(model, self.dims.pp), strict=True
-        ):
-            if stage != self.stage_index:
-                model._modules[name] = nn.Identity()  # another process's part: freed here
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.dims.pp - 1
-        self.stage = PipelineStage(model, self.stage_index, self.dims.pp, device, group=self.pp_group)
+        # Tied weights (one tensor, several names) may end up in several stages, as the same
+        # tensor or as copies: their gradients are summed over the stages after each schedule.
+        self.tied = [(names, model.get_parameter(names[0]).shape) for names in _shared_names(model)]
+        if isinstance(model, nn.Sequential):
+            for (name, _), stage in zip(
+                list(model.named_children()), stage_children(model, self.dims.pp), strict=True
+            ):
+                if stage != self.stage_index:
+                    model._modules[name] = nn.Identity()  # another process's part: freed here
+            self.stage_module: nn.Module = model
+            self.stage = PipelineStage(model, self.stage_index, self.dims.pp, device, group=self.pp_group)
+        else:
+            self.stage_module, self.stage = self._traced_stage(model, device, example_inputs)
         self.schedule_class = SCHEDULES[schedule]
 
+    def _traced_stage(
+        self, model: nn.Module, device: torch.device, example_inputs: tuple[tuple, dict] | None
+    ) -> tuple[nn.Module, PipelineStage]:
+        """Cut the model's traced graph before the first block of each stage but the first."""
+        if example_inputs is None:
+            raise ConfigError(
+                "strategy", "pipeline", "needs example inputs to trace a model that is not a Sequential"
+            )
+        blocks = [name for name, _ in matching_blocks(model, CheckpointPolicy(field="pipeline_stages"))]
+        parts = balanced_parts(len(blocks), self.dims.pp)
+        split_spec = {
+            blocks[i]: SplitPoint.BEGINNING for i in range(1, len(blocks)) if parts[i] != parts[i - 1]
+        }
+        args, kwargs = example_inputs
+        try:
+            pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None, split_spec=split_spec)
+        except Exception as error:  # torch.export's errors: the model's forward could not be traced
+            reason = " ".join(str(error).split())[:300]
+            raise ConfigError(
+                "strategy", "pipeline", f"could not trace the model into stages: {reason}"
+            ) from None
+        stage = pipe.build_stage(self.stage_index, device, group=self.pp_group)
+        return stage.submod, stage
+
+    @property
+    def state_module(self) -> nn.Module:
+        return self.stage_module
+
     def optimizer_params(self, prepared: list[nn.Parameter]) -> list[nn.Parameter]:
-        return list(self.model.parameters())  # this stage's: the others are gone
+        return list(self.stage_module.parameters())  # this stage's: the others are gone
 
     def trained_weights(self, precision: Any) -> dict[str, torch.Tensor]:
         """The whole model's weights on rank 0: every stage's part, merged (a collective)."""
-        mine = {k: v.detach().cpu() for k, v in precision.trained_state_dict(self.model).items()}
+        mine = {k: v.detach().cpu() for k, v in self.stage_module.state_dict().items()}
+        for names, _ in self.tied:  # one name per tied tensor, as a single process exports it
+            for name in sorted(names)[1:]:
+                mine.pop(name, None)
         merged: dict[str, torch.Tensor] = {}
         for part in self.gather(mine if self.dims.pipeline(dist.get_rank()) == 0 else {}):
             merged.update(part)
@@ -97,6 +151,14 @@ class PipelinePlan(ShardedState, Collectives):
         self, plan: BatchPlan, precision: Any, max_grad_norm: float | None, agree_on_oom: Any
     ) -> Any:
         return PipelineAccumulator(plan, precision, self, max_grad_norm)
+
+
+def _shared_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that name one tensor (tied weights)."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(parameter), []).append(name)
+    return [names for names in by_tensor.values() if len(names) > 1]
 
 
 class _Captured(Exception):
@@ -144,7 +206,7 @@ class PipelineAccumulator(Accumulator):
         super().__init__(
             plan,
             precision,
-            pipeline.model.parameters(),
+            pipeline.stage_module.parameters(),
             max_grad_norm,
             all_reduce_sum=pipeline.all_reduce_sum,
         )
@@ -205,6 +267,7 @@ class PipelineAccumulator(Accumulator):
         if not pipeline.is_last:  # the same log entries as the last stage's, empty
             for _ in range(k):
                 tracker.add(step_index, torch.zeros((), dtype=torch.float64), 0, True)
+        self._sum_tied_gradients()
         grads = [p.grad for p in self.params if p.grad is not None]
         if pipeline.dims.dp > 1 and grads:
             self._average_over_pipelines(grads)
@@ -217,6 +280,26 @@ class PipelineAccumulator(Accumulator):
             self.precision.skip_step(overflowed=False)
         self.precision.zero_grad(optimizer)
         return StepOutcome(status, norm, None)
+
+    def _sum_tied_gradients(self) -> None:
+        """Each stage holding a tied weight (or a copy) gets the sum of every use's gradient."""
+        if not self.pipeline.tied:
+            return
+        held = dict(self.pipeline.stage_module.named_parameters(remove_duplicate=False))
+        copies, sums = [], []
+        for names, shape in self.pipeline.tied:
+            mine = list({id(held[n]): held[n] for n in names if n in held}.values())
+            grads = [p.grad for p in mine if p.grad is not None]
+            copies.append(mine)
+            sums.append(torch.stack(grads).sum(0) if grads else torch.zeros(shape, dtype=self._grad_dtype()))
+        flat = _flatten_dense_tensors(sums)
+        dist.all_reduce(flat, group=self.pipeline.pp_group)
+        for mine, total in zip(copies, _unflatten_dense_tensors(flat, sums), strict=True):
+            for parameter in mine:
+                parameter.grad = total.clone()
+
+    def _grad_dtype(self) -> torch.dtype:
+        return next((p.dtype for p in self.params), torch.float32)
 
     def _average_over_pipelines(self, grads: list[torch.Tensor]) -> None:
         flat = _flatten_dense_tensors(grads)
