@@ -137,7 +137,8 @@ class TrainConfig:
         "auto",
         "parallel",
         "auto: ddp when launched as several processes, else single; dp: DataParallel; fsdp: parameters, "
-        "gradients and optimizer state sharded over the processes (FSDP2)",
+        "gradients and optimizer state sharded over the processes (FSDP2); split: one process, the model's "
+        "parts on the devices of device_map; pipeline: the model's stages on pipeline_stages processes",
     )
     device_map: str | None = _field(
         None,

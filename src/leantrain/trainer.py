@@ -263,7 +263,9 @@ class _Run:
         example = None
         if pipeline_stages and not isinstance(self.model, nn.Sequential):
             example = example_inputs(task, self.data.dataset, self.plan.micro_batch_size, device)
-        self.parallel = instruments.parallel(parallelize(self.model, strategy, device, cfg, example))
+        self.parallel = instruments.parallel(
+            parallelize(self.model, self.dims, cfg, strategy, device, example)
+        )
         if env.distributed:
             # Every rank drew the same initial weights above (DDP also broadcasts rank 0's).
             # From here on each rank draws its own numbers: dropout masks must differ by rank.
@@ -350,7 +352,7 @@ class _Run:
             self.parallel = self.accumulator = None  # type: ignore[assignment]
             gc.collect()
             self.parallel = self.instruments.parallel(
-                parallelize(self.model, self.strategy, self.device, self.cfg)
+                parallelize(self.model, self.dims, self.cfg, self.strategy, self.device)
             )
         self.accumulator = self._make_accumulator()
         self.train_loader, _, _ = build_train_loader(
@@ -553,7 +555,8 @@ class _Run:
             state = load_checkpoint(path)
         check_compatible(state, path, self.cfg.to_dict(), self.dataset_size)
         if bool(state.get("sharded")) != self.parallel.sharded:
-            saved_as = "sharded (strategy fsdp)" if state.get("sharded") else "whole (not sharded)"
+            saved_as = "in parts" if state.get("sharded") else "whole"
+            saved_as += f" (strategy {state['config'].get('strategy')})"
             raise CheckpointError(
                 f"checkpoint {path} holds its model {saved_as}, unlike this run (strategy "
                 f"{self.parallel.strategy}); resume it with the strategy it was saved with"

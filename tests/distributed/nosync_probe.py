@@ -20,6 +20,7 @@ import leantrain as lt
 from leantrain.batching import Accumulator, BatchPlan
 from leantrain.log.metrics import LossTracker
 from leantrain.parallel.apply import init_process_group, parallelize
+from leantrain.parallel.dims import ParallelDims
 from leantrain.parallel.env import detect
 from leantrain.precision import Fp32
 
@@ -29,7 +30,7 @@ STEPS, MICRO, PER_RANK = 3, 2, 8
 def count_communication(use_no_sync: bool) -> dict[str, int]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    plan = parallelize(model, "ddp", torch.device("cpu"))
+    plan = parallelize(model, ParallelDims(dp=2), lt.TrainConfig(), "ddp", torch.device("cpu"))
     counts = {"gradient_all_reduces": 0, "count_all_reduces": 0}
 
     def counting_hook(state, bucket):

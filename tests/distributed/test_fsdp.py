@@ -56,3 +56,14 @@ def test_a_killed_sharded_run_resumes_bit_identical(tmp_path):
     assert sorted(p.name for p in checkpoints.iterdir()) == [
         f"step-000000{step}.{kind}" for step in (32, 36, 40) for kind in ("dcp", "pt")
     ]
+
+
+def test_fsdp_bf16_mixed_computes_in_bf16_and_follows_the_fp32_run(tmp_path):
+    """bf16-mixed through FSDP's policy: bf16 compute, fp32 shards and reductions. Not equal to
+    fp32 (bf16 keeps ~3 digits), but it must follow it closely and leave the fp32 masters fp32."""
+    fp32 = train(tmp_path / "fp32", "mean_task_fp32", "--micro-batch-size", "16")
+    bf16 = train(tmp_path / "bf16", "mean_task_fp32", "--strategy", "fsdp", "--precision", "bf16-mixed",
+                 processes=2)  # fmt: skip
+    assert all(bf16[name].dtype == torch.float32 for name in bf16)
+    differences = [float((bf16[name] - fp32[name]).abs().max()) for name in fp32]
+    assert 0 < max(differences) < 0.02, differences

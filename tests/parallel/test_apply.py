@@ -6,6 +6,7 @@ from torch import nn
 
 import leantrain as lt
 from leantrain.parallel.apply import DataParallelPlan, SingleProcess, parallelize, resolve_strategy
+from leantrain.parallel.dims import ParallelDims
 from leantrain.parallel.env import ClusterEnv
 
 ONE = ClusterEnv("single")
@@ -40,7 +41,7 @@ def test_one_process_strategies_refuse_a_multi_process_launch(strategy):
 
 def test_single_process_plan_communicates_nothing():
     model = nn.Linear(2, 2)
-    plan = parallelize(model, "single", torch.device("cpu"))
+    plan = parallelize(model, ParallelDims(), lt.TrainConfig(), "single", torch.device("cpu"))
     assert isinstance(plan, SingleProcess) and plan.module is model and plan.model is model
     tensor = torch.ones(3)
     assert plan.all_reduce_sum(tensor) is tensor and plan.any_rank(True) and plan.gather(5) == [5]
@@ -48,7 +49,7 @@ def test_single_process_plan_communicates_nothing():
 
 def test_dp_warns_why_ddp_is_faster():
     with pytest.warns(UserWarning, match="DDP runs one process per GPU and communicates only gradients"):
-        plan = parallelize(nn.Linear(2, 2), "dp", torch.device("cpu"))
+        plan = parallelize(nn.Linear(2, 2), ParallelDims(), lt.TrainConfig(), "dp", torch.device("cpu"))
     assert isinstance(plan, DataParallelPlan) and plan.strategy == "dp"
 
 

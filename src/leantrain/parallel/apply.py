@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from leantrain.batching import Accumulator, BatchPlan
 from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError
+from leantrain.parallel.dims import ParallelDims
 from leantrain.parallel.env import ClusterEnv
 from leantrain.runtime import resolve_device
 
@@ -145,42 +146,47 @@ def resolve_strategy(strategy: str, env: ClusterEnv) -> str:
         raise ConfigError(
             "strategy",
             strategy,
-            f"runs in one process, but {env.world_size} were launched; use ddp, fsdp or auto",
+            f"runs in one process, but {env.world_size} were launched; use ddp, fsdp, pipeline or auto",
         )
     return strategy
 
 
 def parallelize(
     model: nn.Module,
+    dims: ParallelDims,
+    cfg: TrainConfig,
     strategy: str,
     device: torch.device,
-    cfg: TrainConfig | None = None,
     example_inputs: Any = None,
 ) -> SingleProcess:
-    """Wrap the model for a resolved strategy (the process group, if any, is already up).
+    """The one function that applies a run's parallel plan (the process group, if any, is up).
 
-    Called after precision.prepare and activation checkpointing: wrappers come last, so
-    that they see the model as it will run. ``example_inputs`` (the model's inputs for one
-    micro-batch) lets the pipeline plan trace a model that is not an ``nn.Sequential``.
+    The order is fixed: the Trainer calls it after precision.prepare and activation
+    checkpointing (wrappers see the model as it will run, checkpointed blocks included);
+    inside, the plan of the resolved ``strategy`` cuts the model (pipeline stages, split
+    parts) or wraps it (FSDP2 units then the root, DDP, DP); the optimizer is built after,
+    over ``plan.optimizer_params``. ``dims`` arranges the processes (data parallel x
+    pipeline); ``example_inputs`` (the model's inputs for one micro-batch) lets the
+    pipeline plan trace a model that is not an ``nn.Sequential``.
     """
+    if dims.pp > 1 and strategy != "pipeline":
+        raise ConfigError("pipeline_stages", dims.pp, "is used with strategy pipeline only")
     if strategy == "ddp":
         return DistributedPlan(model, device)
     if strategy == "split":
         from leantrain.parallel.split import SplitPlan, parse_device_map
 
-        if cfg is None or cfg.device_map is None:
+        if cfg.device_map is None:
             raise ConfigError("device_map", None, "is needed with strategy split")
         return SplitPlan(model, parse_device_map(cfg.device_map))
     if strategy == "pipeline":
         from leantrain.parallel.pipeline import PipelinePlan
 
-        assert cfg is not None and cfg.pipeline_stages is not None  # TrainConfig.validate checked it
-        return PipelinePlan(model, device, cfg.pipeline_stages, cfg.pipeline_schedule, example_inputs)
+        return PipelinePlan(model, device, dims, cfg.pipeline_schedule, example_inputs)
     if strategy == "fsdp":
         from leantrain.parallel.fsdp import ShardedPlan  # torch.distributed.fsdp, only when used
 
-        settings = cfg or TrainConfig(strategy="fsdp")  # fp32, the model's repeated blocks
-        return ShardedPlan(model, device, settings.precision, settings.shard_blocks)
+        return ShardedPlan(model, device, cfg.precision, cfg.shard_blocks)
     if strategy == "dp":
         return DataParallelPlan(model)
     return SingleProcess(model)

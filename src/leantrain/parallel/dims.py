@@ -37,7 +37,7 @@ class ParallelDims:
             raise ConfigError(
                 "pipeline_stages",
                 pp,
-                f"must divide the number of processes {world_size} (data parallel x pipeline stages)",
+                f"must divide the number of processes {world_size}",
             )
         dims = cls(dp=world_size // pp, pp=pp)
         assert dims.world_size == world_size

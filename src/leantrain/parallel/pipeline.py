@@ -77,14 +77,14 @@ class PipelinePlan(ShardedState, Collectives):
         self,
         model: nn.Module,
         device: torch.device,
-        pipeline_stages: int,
+        dims: ParallelDims,
         schedule: str,
         example_inputs: tuple[tuple, dict] | None = None,
     ) -> None:
         """``example_inputs``: the model's (args, kwargs) for one micro-batch, which the tracer
         needs for a model that is not an ``nn.Sequential``."""
         super().__init__(model, device)
-        self.dims = ParallelDims.of(dist.get_world_size(), pipeline_stages)
+        self.dims = dims
         rank = dist.get_rank()
         self.stage_index = self.dims.stage(rank)
         mesh = self.dims.mesh(device.type)
@@ -217,6 +217,13 @@ class PipelineAccumulator(Accumulator):
         # By index, not in call order: the schedule may call the loss once more at start-up.
         self._results: dict[int, tuple[Any, torch.Tensor, LossTracker]] = {}
         self._step_index = 0
+        if pipeline.schedule_class is Schedule1F1B and plan.accumulation_steps < pipeline.dims.pp:
+            raise ConfigError(
+                "pipeline_schedule",
+                "1f1b",
+                f"needs at least as many micro-batches per step ({plan.accumulation_steps}) as stages "
+                f"({pipeline.dims.pp}): set a smaller micro_batch_size, or gpipe",
+            )
         self.schedule = pipeline.schedule_class(
             pipeline.stage,
             n_microbatches=plan.accumulation_steps,
@@ -313,28 +320,28 @@ class PipelineAccumulator(Accumulator):
         Only the last stages know them; the others add zeros. A LossSum's gradients are then
         scaled by dp / global count (after the average over pipelines), on the device."""
         counts = [count for count, _, _ in results if count is not None]
-        zero = torch.zeros((), dtype=torch.float64)
+        device = self.pipeline._comm_device()  # NCCL reduces device tensors, gloo host ones
+        zero = torch.zeros((), dtype=torch.float64, device=device)
         local = torch.stack([
-            torch.tensor(1.0 if counts else 0.0, dtype=torch.float64),
-            torch.as_tensor(sum(counts), dtype=torch.float64) if counts else zero,
-            torch.stack([term.double() for _, term, _ in results]).sum() if results else zero,
+            torch.tensor(1.0 if counts else 0.0, dtype=torch.float64, device=device),
+            torch.as_tensor(sum(counts), dtype=torch.float64).to(device) if counts else zero,
+            torch.stack([term.double().to(device) for _, term, _ in results]).sum() if results else zero,
         ])  # fmt: skip
         is_sum, count, total = self.all_reduce_sum(local)
         if grads:
             factor = torch.where(is_sum > 0, self.pipeline.dims.dp / count.clamp(min=1), 1.0)
-            torch._foreach_mul_(grads, factor.to(grads[0].dtype))
+            torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
         return total
 
     def _clip_over_stages(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient: each stage holds part of it."""
-        squares = (
-            torch.stack([g.double().pow(2).sum() for g in grads]).sum()
-            if grads
-            else torch.zeros((), dtype=torch.float64)
-        )
+        device = self.pipeline._comm_device()
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+        if grads:
+            squares = torch.stack([g.double().pow(2).sum() for g in grads]).sum().to(device)
         dist.all_reduce(squares, group=self.pipeline.pp_group)
         norm = squares.sqrt()
         if grads:
             coefficient = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device, grads[0].dtype))
         return norm

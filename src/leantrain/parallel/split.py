@@ -5,9 +5,9 @@ many runs as there are devices, balanced by block count: part ``i`` runs on devi
 Modules registered before the first block (embeddings) go with the first part, modules
 after the last block (final norm, head) with the last. A forward pre-hook on every placed
 module moves the tensors it receives to its device, so activations travel from part to
-part; inputs arrive on the first device (the run's device), and the loss is computed
-where the last module left its output. Weights tied across parts stay with their first
-user, and the hook takes its inputs there.
+part; inputs arrive on the first device (the run's device), and the model's output is
+moved back there, beside the batch's targets, so the task's loss runs unchanged. Weights
+tied across parts stay with their first user, and the hook takes its inputs there.
 
 One device computes at a time: a split is for a model that does not fit one device, not
 for speed (``pipeline`` keeps several busy). The devices may all be the CPU, which is how
@@ -100,6 +100,10 @@ class SplitPlan(SingleProcess):
             home = next(iter(module.parameters()), None)
             module.register_forward_pre_hook(self._mover(home.device if home is not None else devices[part]),
                                              with_kwargs=True)  # fmt: skip
+
+        # The output comes back to the inputs' device, where the batch's targets are: the
+        # task's loss then works unchanged.
+        model.register_forward_hook(lambda module, args, output: _to_device(output, devices[0]))
 
     @staticmethod
     def _mover(device: torch.device) -> Any:
