@@ -27,6 +27,44 @@ def batch_size_of(batch: Any) -> int:
     raise TaskError(f"cannot tell the batch size of a {type(batch).__name__} batch: it holds no tensor")
 
 
+class ValidationSums:
+    """Sample-weighted sums of the loss and of each metric, kept on the device until read."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.weights: dict[str, torch.Tensor | int] = {}
+
+    def add(self, name: str, total: torch.Tensor, weight: torch.Tensor | int) -> None:
+        self.sums[name] = self.sums.get(name, 0) + total.detach().double()
+        self.weights[name] = self.weights.get(name, 0) + weight
+
+    def add_batch(self, loss: Any, extra: dict[str, Any], samples: int) -> None:
+        """A batch's loss (a mean over ``samples``, or a LossSum) and its metrics (means)."""
+        if isinstance(loss, LossSum):
+            self.add("loss", loss.sum, loss.count)
+        else:
+            self.add("loss", loss * samples, samples)
+        for name, value in extra.items():
+            self.add(name, torch.as_tensor(value).mean() * samples, samples)
+
+    def totals(self, device: torch.device) -> tuple[list[str], torch.Tensor]:
+        """The names, and a [names, 2] tensor of (sum, weight) rows."""
+        names = sorted(self.sums)
+        rows = [
+            torch.stack([self.sums[n], torch.as_tensor(self.weights[n], device=device).double()])
+            for n in names
+        ]
+        return names, torch.stack(rows) if rows else torch.zeros((0, 2), dtype=torch.float64, device=device)
+
+
+def means(names: list[str], totals: torch.Tensor) -> dict[str, float]:
+    """``val_<name>``: each sum over its weight (one host read)."""
+    return {
+        f"val_{name}": float(total / weight)
+        for name, (total, weight) in zip(names, totals.cpu(), strict=True)
+    }
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -42,36 +80,18 @@ def evaluate(
     ``all_reduce_sum``, each rank evaluates its share of the data and the sums are added.
     """
     metrics_fn = getattr(task, "metrics", None)
-    sums: dict[str, torch.Tensor] = {}
-    weights: dict[str, torch.Tensor | int] = {}
-
-    def add(name: str, total: torch.Tensor, weight: torch.Tensor | int) -> None:
-        sums[name] = sums.get(name, 0) + total.detach().double()
-        weights[name] = weights.get(name, 0) + weight
-
+    sums = ValidationSums()
     was_training = model.training
     model.eval()
     try:
         for batch in device_batches(batches, device, precision.input_dtype):
-            samples = batch_size_of(batch)
             with precision.autocast():
                 loss = task.loss(model, batch)
                 extra = metrics_fn(model, batch) if callable(metrics_fn) else {}
-            if isinstance(loss, LossSum):
-                add("loss", loss.sum, loss.count)
-            else:
-                add("loss", loss * samples, samples)
-            for name, value in extra.items():
-                add(name, torch.as_tensor(value).mean() * samples, samples)
+            sums.add_batch(loss, extra, batch_size_of(batch))
     finally:
         model.train(was_training)
-    names = sorted(sums)
-    totals = torch.stack(
-        [torch.stack([sums[n], torch.as_tensor(weights[n], device=device).double()]) for n in names]
-    )
+    names, totals = sums.totals(device)
     if all_reduce_sum is not None:
         totals = all_reduce_sum(totals)
-    return {
-        f"val_{name}": float(total / weight)
-        for name, (total, weight) in zip(names, totals.cpu(), strict=True)
-    }
+    return means(names, totals)

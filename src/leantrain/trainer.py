@@ -38,7 +38,6 @@ from leantrain.data.loader import device_batches
 from leantrain.data.pipeline import build_train_loader, build_val_loader, load_train_data
 from leantrain.data.sampler import steps_per_epoch
 from leantrain.errors import CheckpointError, LeantrainError, NonFiniteLossError, RunInterrupted, TaskError
-from leantrain.evaluation import evaluate
 from leantrain.files import atomic_write_json
 from leantrain.log.metrics import LossTracker
 from leantrain.log.precision_health import PrecisionHealth
@@ -305,20 +304,9 @@ class _Run:
         self.train_loader, self.num_workers, prefetch = build_train_loader(
             self.data, cfg, self.data_env, self.plan, self.total_steps, self.start_step, self.pin_memory
         )
-        self.val_loader = None
-        if self.parallel.can_validate:
-            self.val_loader = build_val_loader(
-                task,
-                cfg,
-                self.data_env,
-                self.plan,
-                self.num_workers,
-                prefetch,
-                self.pin_memory,
-                self.data.notes,
-            )
-        elif callable(getattr(task, "val_data", None)):
-            self.notes.append(f"no validation under strategy {strategy} (not supported yet)")
+        self.val_loader = build_val_loader(
+            task, cfg, self.data_env, self.plan, self.num_workers, prefetch, self.pin_memory, self.data.notes
+        )
         self.logger = RunLogger(
             run_dir, self.total_steps, cfg.progress, cfg.tensorboard, self.start_step, enabled=env.is_main
         )
@@ -489,9 +477,7 @@ class _Run:
         assert self.val_loader is not None
         started = time.perf_counter()
         reduce = self.parallel.all_reduce_sum if self.env.distributed else None
-        self.val_metrics = evaluate(
-            self.parallel.module, self.task, self.val_loader, self.device, self.precision, reduce
-        )
+        self.val_metrics = self.parallel.evaluate(self.task, self.val_loader, self.precision, reduce)
         self.logger.log(done, self.val_metrics)
         self.logger.message(
             f"validation at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.val_metrics.items())

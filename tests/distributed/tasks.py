@@ -24,6 +24,17 @@ def deep_task() -> DeepRegression:
     return DeepRegression(loss_kind="mean")
 
 
+class DeepWithValidation(DeepRegression):
+    """DeepRegression with 32 validation samples and a metric: validation runs through the stages."""
+
+    def val_data(self):
+        return torch.utils.data.TensorDataset(self.x[:32], self.y[:32], self.mask[:32])
+
+    def metrics(self, model, batch):
+        x, y, _ = batch
+        return {"abs_error": (model(x) - y).abs().mean()}
+
+
 def deep_sum_task() -> DeepRegression:
     return DeepRegression(loss_kind="sum")
 

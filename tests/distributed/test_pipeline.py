@@ -47,6 +47,22 @@ def test_two_stages_train_as_one_process(tmp_path, task, schedule, tolerance):
     assert (summary["strategy"], summary["world_size"], summary["accumulation_steps"]) == ("pipeline", 2, 4)
 
 
+def test_validation_runs_through_the_stages(tmp_path):
+    train(tmp_path / "one", "DeepWithValidation")
+    train(
+        tmp_path / "two",
+        "DeepWithValidation",
+        "--strategy",
+        "pipeline",
+        "--pipeline-stages",
+        "2",
+        processes=2,
+    )
+    one, two = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("one", "two"))
+    for name in ("val_loss", "val_abs_error"):
+        assert abs(two[name] - one[name]) <= 1e-10, name
+
+
 def test_a_transformer_with_tied_weights_is_traced_into_stages(tmp_path):
     """charlm's model is no Sequential: its graph is cut before blocks.2; the tied token embedding
     and head weights sit in both stages and get the sum of both uses' gradients."""

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from leantrain.batching import Accumulator, BatchPlan
 from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError
+from leantrain.evaluation import evaluate
 from leantrain.parallel.dims import ParallelDims
 from leantrain.parallel.env import ClusterEnv
 from leantrain.runtime import resolve_device
@@ -50,7 +51,10 @@ class SingleProcess:
         """What the optimizer updates, given what precision.prepare returned before wrapping."""
         return prepared
 
-    can_validate = True  # False: the plan cannot run the whole model's forward (pipeline)
+    def evaluate(self, task: Any, batches: Any, precision: Any, all_reduce_sum: Any) -> dict[str, float]:
+        """Validation metrics of this process's share of the data, summed over the ranks given."""
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        return evaluate(self.module, task, batches, device, precision, all_reduce_sum)
 
     def accumulator(
         self, plan: BatchPlan, precision: Any, max_grad_norm: float | None, agree_on_oom: Any

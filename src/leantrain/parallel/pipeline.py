@@ -33,7 +33,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
 from leantrain.batching import Accumulator, BatchPlan, LossFn, StepOutcome, StepStatus
+from leantrain.data.loader import device_batches
 from leantrain.errors import ConfigError, TaskError
+from leantrain.evaluation import ValidationSums, batch_size_of
 from leantrain.log.metrics import LossTracker
 from leantrain.memory.checkpointing import CheckpointPolicy, matching_blocks
 from leantrain.parallel.apply import Collectives
@@ -41,6 +43,7 @@ from leantrain.parallel.dims import ParallelDims
 from leantrain.parallel.sharded_state import ShardedState
 from leantrain.parallel.split import balanced_parts, placement
 from leantrain.precision import GradReport
+from leantrain.task import LossSum
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -71,7 +74,6 @@ def stage_children(model: nn.Sequential, stages: int) -> list[int]:
 
 class PipelinePlan(ShardedState, Collectives):
     strategy = "pipeline"
-    can_validate = False  # validation needs the whole model's forward: not yet under a pipeline
 
     def __init__(
         self,
@@ -150,7 +152,12 @@ class PipelinePlan(ShardedState, Collectives):
     def accumulator(
         self, plan: BatchPlan, precision: Any, max_grad_norm: float | None, agree_on_oom: Any
     ) -> Any:
-        return PipelineAccumulator(plan, precision, self, max_grad_norm)
+        self._accumulator = PipelineAccumulator(plan, precision, self, max_grad_norm)
+        return self._accumulator
+
+    def evaluate(self, task: Any, batches: Any, precision: Any, all_reduce_sum: Any) -> dict[str, float]:
+        """Validation through the pipeline (forward only), with the training step's schedule."""
+        return self._accumulator.evaluate(task, batches)
 
 
 def _shared_names(model: nn.Module) -> list[list[str]]:
@@ -231,6 +238,68 @@ class PipelineAccumulator(Accumulator):
             scale_grads=False,
         )
 
+    def evaluate(self, task: Any, batches: Any) -> dict[str, float]:
+        """The task's loss and metrics over the validation data, run through the pipeline.
+
+        Every stage reads the same validation batches; they go through the schedule ``k`` at
+        a time (``k`` = the micro-batches of a training step: the stages were built for that
+        shape), and a last incomplete group is left out. The last stages hold the sums; one
+        gather over all processes gives every rank the same result.
+        """
+        pipeline, k = self.pipeline, self.plan.accumulation_steps
+        metrics_fn = getattr(task, "metrics", None)
+        sums = ValidationSums()
+
+        outputs: dict[int, tuple[Any, dict[str, Any]]] = {}  # by batch: once, however often called
+
+        def evaluated(model: nn.Module, batch: Any) -> torch.Tensor:
+            loss = task.loss(model, batch)
+            outputs[id(batch)] = (loss, metrics_fn(model, batch) if callable(metrics_fn) else {})
+            return loss.sum if isinstance(loss, LossSum) else loss
+
+        stage_module = pipeline.stage_module
+        was_training = stage_module.training
+        stage_module.eval()
+        try:
+            group: list[Any] = []
+            for batch in device_batches(batches, pipeline.device, self.precision.input_dtype):
+                if batch_size_of(batch) != self.plan.micro_batch_size:
+                    break  # the last, shorter batch: the stages' shapes are fixed
+                group.append(batch)
+                if len(group) == k:
+                    with torch.no_grad():
+                        self._run_schedule(group, evaluated, self.schedule.eval)
+                    for done in group if pipeline.is_last else ():
+                        sums.add_batch(*outputs.pop(id(done)), batch_size_of(done))
+                    group = []
+        finally:
+            stage_module.train(was_training)
+        names, totals = sums.totals(torch.device("cpu"))
+        merged: dict[str, list[float]] = {}
+        for part in pipeline.gather(dict(zip(names, totals.tolist(), strict=True))):
+            for name, (total, weight) in part.items():
+                merged.setdefault(name, [0.0, 0.0])
+                merged[name][0] += total
+                merged[name][1] += weight
+        return {f"val_{name}": total / max(weight, 1e-12) for name, (total, weight) in sorted(merged.items())}
+
+    def _run_schedule(self, micro: list[Any], loss_fn: LossFn, run: Any) -> None:
+        """Feed ``micro`` through ``run`` (the schedule's step or eval): inputs on the first stage,
+        micro-batch indices as the last stage's targets."""
+        pipeline, k = self.pipeline, len(micro)
+        self._micro, self._loss_fn, self._results = micro, loss_fn, {}
+        args: tuple = ()
+        kwargs: dict = {}
+        if pipeline.is_first:
+            inputs = [_model_inputs(loss_fn, batch) for batch in micro]
+            args = tuple(_concatenate([a[i] for a, _ in inputs]) for i in range(len(inputs[0][0])))
+            kwargs = {key: _concatenate([kw[key] for _, kw in inputs]) for key in inputs[0][1]}
+        with self.precision.autocast():
+            if pipeline.is_last:
+                run(*args, target=torch.arange(k), **kwargs)
+            else:
+                run(*args, **kwargs)
+
     def _last_stage_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the task's loss of micro-batch ``index`` (a [1] tensor)."""
         assert self._loss_fn is not None
@@ -253,19 +322,8 @@ class PipelineAccumulator(Accumulator):
         inspect_grads: bool = False,
     ) -> StepOutcome:
         pipeline, k = self.pipeline, self.plan.accumulation_steps
-        self._micro = [next(batches) for _ in range(k)]
-        self._loss_fn, self._step_index, self._results = loss_fn, step_index, {}
-        args: tuple = ()
-        kwargs: dict = {}
-        if pipeline.is_first:
-            inputs = [_model_inputs(loss_fn, batch) for batch in self._micro]
-            args = tuple(_concatenate([a[i] for a, _ in inputs]) for i in range(len(inputs[0][0])))
-            kwargs = {key: _concatenate([kw[key] for _, kw in inputs]) for key in inputs[0][1]}
-        with self.precision.autocast():
-            if pipeline.is_last:
-                self.schedule.step(*args, target=torch.arange(k), **kwargs)
-            else:
-                self.schedule.step(*args, **kwargs)
+        self._step_index = step_index
+        self._run_schedule([next(batches) for _ in range(k)], loss_fn, self.schedule.step)
         results = [self._results[micro] for micro in range(k)] if pipeline.is_last else []
         if len({count is None for count, _, _ in results}) > 1:
             raise TaskError("task.loss returned a LossSum for some micro-batches and a mean for others")
