@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 REPO = Path(__file__).parents[2]
 LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
@@ -27,6 +28,16 @@ def leantrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         f"leantrain {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     )
     return done
+
+
+def trained_weights(out: Path, fit_arguments: list[str], processes: int = 1) -> dict:
+    """Run ``fit`` (under ``launch`` with more than one process) into ``out``; its final weights."""
+    arguments = [*fit_arguments, "--out", str(out)]
+    if processes == 1:
+        leantrain(*arguments)
+    else:
+        leantrain("launch", "--nproc-per-node", str(processes), *arguments)
+    return load_file(out / "model.safetensors")
 
 
 def worker_pids(launcher: int) -> dict[int, int]:

@@ -9,19 +9,14 @@ import torch
 from safetensors.torch import load_file
 
 from leantrain.checkpoint import export_checkpoint
-from tests.distributed.conftest import leantrain, run_with_one_kill
+from tests.distributed.conftest import leantrain, run_with_one_kill, trained_weights
 
 FIT = "fit --global-batch-size 16 --micro-batch-size 4 --max-steps 20 --progress plain --tensorboard false"
 FIT = FIT.split()
 
 
 def train(out, task: str, *flags: str, processes: int = 1) -> dict[str, torch.Tensor]:
-    arguments = [*FIT, "--task", f"tests.distributed.tasks:{task}", "--out", str(out), *flags]
-    if processes == 1:
-        leantrain(*arguments)
-    else:
-        leantrain("launch", "--nproc-per-node", str(processes), *arguments)
-    return load_file(out / "model.safetensors")
+    return trained_weights(out, [*FIT, "--task", f"tests.distributed.tasks:{task}", *flags], processes)
 
 
 # A LossSum in float64 (the exact normalisation) and a mean loss in float32.

@@ -7,21 +7,15 @@ import subprocess
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.distributed.conftest import LEANTRAIN, REPO, leantrain, worker_env
+from tests.distributed.conftest import LEANTRAIN, REPO, trained_weights, worker_env
 
 FIT = "fit --global-batch-size 16 --micro-batch-size 4 --max-steps 12 --progress plain --tensorboard false"
 FIT = [*FIT.split(), "--log-every-n-steps", "4"]
 
 
 def train(out, task: str, *flags: str, processes: int = 1) -> dict[str, torch.Tensor]:
-    arguments = [*FIT, "--task", f"tests.distributed.tasks:{task}", "--out", str(out), *flags]
-    if processes == 1:
-        leantrain(*arguments)
-    else:
-        leantrain("launch", "--nproc-per-node", str(processes), *arguments)
-    return load_file(out / "model.safetensors")
+    return trained_weights(out, [*FIT, "--task", f"tests.distributed.tasks:{task}", *flags], processes)
 
 
 def assert_close(
