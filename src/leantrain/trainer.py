@@ -265,6 +265,9 @@ class _Run:
         self.parallel = instruments.parallel(
             parallelize(self.model, self.dims, cfg, strategy, device, example)
         )
+        # What this process holds from now on: the model itself, or its pipeline stage (a traced
+        # stage is a new module; dropping the whole model here frees the other stages).
+        self.model = self.parallel.model
         if env.distributed:
             # Every rank drew the same initial weights above (DDP also broadcasts rank 0's).
             # From here on each rank draws its own numbers: dropout masks must differ by rank.

@@ -105,6 +105,7 @@ class PipelinePlan(ShardedState, Collectives):
             self.stage = PipelineStage(model, self.stage_index, self.dims.pp, device, group=self.pp_group)
         else:
             self.stage_module, self.stage = self._traced_stage(model, device, example_inputs)
+            self.model = self.stage_module  # the whole model is not kept: its other stages are freed
         self.schedule_class = SCHEDULES[schedule]
 
     def _traced_stage(
