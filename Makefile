@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/data.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/doctor.py
+	$(PY) benchmarks/parallelism.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
