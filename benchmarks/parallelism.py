@@ -607,7 +607,7 @@ def findings(
         f"activations of {mib(ddp.first('activation_bytes'))} MiB. Against single: "
         + ", ".join(f"{name} {round(rss[name] - rss[REFERENCE]):+d} MiB" for name in deltas)
         + " (not broken down here: gloo and DDP's buckets; FSDP2's and DTensor's run-time state; the "
-        "pipeline's tracing with torch.export, its schedule and the whole model it keeps. Not imports: "
+        "pipeline's tracing with torch.export and its schedule. Not imports: "
         "importing FSDP and torch.distributed.pipelining after `leantrain` adds no resident memory). On a "
         "model this small, sharding saves nothing visible in the process's memory; the byte counts above "
         "are the figures that scale with the model."
