@@ -27,9 +27,9 @@ Auto = Literal["auto"]
 LrScaling = Literal["none", "linear", "sqrt"]
 Strategy = Literal["auto", "single", "ddp", "dp", "fsdp", "split", "pipeline"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
-# Precisions FSDP2 runs: its mixed-precision policy keeps fp32 shards (the master weights)
-# and computes in bf16, which is what bf16-true buys elsewhere.
-FSDP_PRECISIONS = ("32", "bf16-mixed")
+# Precisions of fsdp and pipeline: FSDP2's mixed-precision policy keeps fp32 shards (the
+# master weights) and computes in bf16, which is what bf16-true buys elsewhere.
+PARTED_PRECISIONS = ("32", "bf16-mixed")
 ProgressMode = Literal["auto", "rich", "plain", "none"]
 
 GROUPS = {
@@ -255,16 +255,6 @@ class TrainConfig:
             raise ConfigError(
                 "pipeline_stages", self.pipeline_stages, "is needed with strategy pipeline, and only with it"
             )
-        if self.strategy != "pipeline":
-            return
-        if self.precision not in ("32", "bf16-mixed"):
-            raise ConfigError("precision", self.precision, "with strategy pipeline: 32 or bf16-mixed")
-        if self.micro_batch_size == "auto" or self.memory_budget is not None:
-            raise ConfigError(
-                "strategy",
-                "pipeline",
-                "does not yet adapt the micro-batch: set micro_batch_size, no memory_budget",
-            )
 
     def _validate_split(self) -> None:
         if (self.strategy == "split") != (self.device_map is not None):
@@ -281,23 +271,25 @@ class TrainConfig:
     def _validate_sharding(self) -> None:
         if self.shard_blocks is not None and self.strategy != "fsdp":
             raise ConfigError("shard_blocks", self.shard_blocks, "is used with strategy fsdp only")
-        if self.strategy != "fsdp":
+        if self.shard_blocks is not None:
+            CheckpointPolicy.parse(self.shard_blocks, field="shard_blocks")
+        if self.strategy not in ("fsdp", "pipeline"):
             return
-        if self.precision not in FSDP_PRECISIONS:
+        # Both hold parts of the state per process: fp32 parts computed in bf16 stand in for the
+        # true 16-bit modes' masters, and the micro-batch cannot yet be re-split under them.
+        if self.precision not in PARTED_PRECISIONS:
             raise ConfigError(
                 "precision",
                 self.precision,
-                "with strategy fsdp: 32 or bf16-mixed (fsdp keeps fp32 shards and computes in bf16, "
-                "as bf16-true would)",
+                f"with strategy {self.strategy}: 32 or bf16-mixed (fp32 parameters computed in bf16 "
+                "are what bf16-true would give)",
             )
         if self.micro_batch_size == "auto" or self.memory_budget is not None:
             raise ConfigError(
                 "strategy",
-                "fsdp",
+                self.strategy,
                 "does not yet adapt the micro-batch: set micro_batch_size, no memory_budget",
             )
-        if self.shard_blocks is not None:
-            CheckpointPolicy.parse(self.shard_blocks, field="shard_blocks")
 
     @property
     def epoch_limit(self) -> int | None:

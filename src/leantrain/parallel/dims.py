@@ -39,9 +39,7 @@ class ParallelDims:
                 pp,
                 f"must divide the number of processes {world_size}",
             )
-        dims = cls(dp=world_size // pp, pp=pp)
-        assert dims.world_size == world_size
-        return dims
+        return cls(dp=world_size // pp, pp=pp)
 
     def stage(self, rank: int) -> int:
         return rank % self.pp

@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from leantrain.errors import ConfigError
 from leantrain.memory.checkpointing import CheckpointPolicy, block_classes, matching_blocks
 from leantrain.parallel.apply import Collectives
 from leantrain.parallel.sharded_state import ShardedState
@@ -64,8 +63,6 @@ class ShardedPlan(ShardedState, Collectives):
         self, model: nn.Module, device: torch.device, precision: str, shard_blocks: str | None
     ) -> None:
         super().__init__(model, device)
-        if precision not in ("32", "bf16-mixed"):
-            raise ConfigError("precision", precision, "with strategy fsdp: 32 or bf16-mixed")
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         policy = mixed_precision_policy(precision)
         self.units = [name for name, _ in shard_units(model, shard_blocks)]
