@@ -46,6 +46,23 @@ def seed_everything(seed: int) -> None:
 
 
 @contextmanager
+def host_rng_seeded(seed: int) -> Iterator[None]:
+    """Python, NumPy and torch's CPU generator seeded for the block, and put back as they were after
+    it, so that what the block draws never shifts the caller's stream. The accelerators' generators
+    are not touched (``torch.manual_seed`` reseeds every device, and costs about 100x more)."""
+    saved = random.getstate(), np.random.get_state(), torch.default_generator.get_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.default_generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.default_generator.set_state(saved[2])
+
+
+@contextmanager
 def deterministic_kernels(enabled: bool) -> Iterator[None]:
     """Only deterministic kernels inside the block (when enabled); the previous mode after it."""
     if not enabled:
@@ -61,6 +78,20 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(previous[0])
         torch.backends.cudnn.benchmark = previous[1]
+
+
+@contextmanager
+def allocator_cap_lifted_after(device: torch.device) -> Iterator[None]:
+    """The CUDA allocator's cap as it was before the block: a run's ``--memory-budget`` caps it
+    for the process, and a later run or the user's own code in the same process must not inherit it."""
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.cuda.get_per_process_memory_fraction(device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(previous, device)
 
 
 @contextmanager

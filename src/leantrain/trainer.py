@@ -37,7 +37,14 @@ from leantrain.config import TrainConfig
 from leantrain.data.loader import device_batches
 from leantrain.data.pipeline import build_train_loader, build_val_loader, load_train_data
 from leantrain.data.sampler import steps_per_epoch
-from leantrain.errors import CheckpointError, LeantrainError, NonFiniteLossError, RunInterrupted, TaskError
+from leantrain.errors import (
+    CheckpointError,
+    ConfigError,
+    LeantrainError,
+    NonFiniteLossError,
+    RunInterrupted,
+    TaskError,
+)
 from leantrain.files import atomic_write_json
 from leantrain.log.metrics import LossTracker
 from leantrain.log.precision_health import PrecisionHealth
@@ -60,6 +67,7 @@ from leantrain.parallel.pipeline import example_inputs
 from leantrain.precision import Precision, make_precision
 from leantrain.runtime import (
     StopSignals,
+    allocator_cap_lifted_after,
     derived_seed,
     deterministic_kernels,
     matmul_reduction,
@@ -193,7 +201,11 @@ class Trainer:
         created_group = init_process_group(env, device)
         run = None
         try:
-            with deterministic_kernels(cfg.deterministic), matmul_reduction(cfg.reduced_precision_reduction):
+            with (
+                deterministic_kernels(cfg.deterministic),
+                matmul_reduction(cfg.reduced_precision_reduction),
+                allocator_cap_lifted_after(device),
+            ):
                 seed_everything(cfg.seed)
                 run = _Run(cfg, task, device, run_dir, env, strategy, started, self.instruments)
                 try:
@@ -631,11 +643,21 @@ def _with_augmentation(task: Any) -> Any:
 
 
 def _process_device(device: torch.device, env: ClusterEnv) -> torch.device:
-    """In a multi-process CUDA run, each process drives the GPU of its local rank."""
-    if device.type == "cuda" and env.distributed and device.index is None:
+    """The CUDA device this process drives, with its index: the local rank's GPU in a multi-process
+    run, else the current one (``torch.cuda.set_device`` refuses a bare ``cuda``)."""
+    if device.type != "cuda":
+        return device
+    if device.index is None and env.distributed:
+        if env.local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                "device", str(device), f"{env.local_world_size} processes on this node but "
+                f"{torch.cuda.device_count()} CUDA device(s): start at most one process per GPU, "
+                "or use --device cpu (gloo)",
+            )  # fmt: skip
         device = torch.device("cuda", env.local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    elif device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
     return device
 
 

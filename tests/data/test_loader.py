@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from leantrain.batching import BatchPlan
 from leantrain.data.loader import build_loader, check_map_style, device_batches, move_to_device
+from leantrain.data.sampler import GlobalBatchSampler
 from leantrain.errors import DataError, TaskError
 
 
@@ -21,6 +23,53 @@ class FailsAt(Dataset):
         if index == self.bad:
             raise ValueError("corrupt record")
         return torch.tensor([float(index)])
+
+
+class NoisyItems(Dataset):
+    """Each item draws from torch's, NumPy's and Python's global generators: random augmentation."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        return torch.tensor([index, torch.rand(()).item(), np.random.rand(), random.random()])
+
+
+def loaded(workers: int, disturb: bool = False) -> list[torch.Tensor]:
+    sampler = GlobalBatchSampler(24, BatchPlan(8, 4), total_steps=5, seed=3)
+    batches = []
+    for batch in build_loader(NoisyItems(), "train_data", batch_sampler=sampler, num_workers=workers, seed=3):
+        batches.append(batch)
+        if disturb:  # what a training step (CPU dropout) or a prefetcher reading ahead draws between loads
+            torch.rand(5)
+    return batches
+
+
+def test_augmentation_follows_the_micro_batch_position_not_the_loading_process():
+    reference = loaded(workers=0)
+    assert len({round(float(b[0, 1]), 6) for b in reference}) == len(reference)  # really random
+    for other in (loaded(workers=2), loaded(workers=0, disturb=True)):
+        assert all(torch.equal(a, b) for a, b in zip(reference, other, strict=True))
+
+
+def test_loading_in_the_main_process_leaves_the_training_steps_random_stream_alone():
+    import random
+
+    import numpy as np
+
+    def next_draws() -> tuple:
+        return torch.rand(3), np.random.rand(), random.random()
+
+    torch.manual_seed(11), np.random.seed(11), random.seed(11)
+    expected = next_draws()
+    torch.manual_seed(11), np.random.seed(11), random.seed(11)
+    loaded(workers=0)
+    after = next_draws()
+    assert torch.equal(after[0], expected[0]) and after[1:] == expected[1:]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

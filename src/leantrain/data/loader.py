@@ -10,10 +10,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from leantrain.errors import DataError, TaskError
-from leantrain.runtime import derived_seed, seed_everything
+from leantrain.runtime import derived_seed, host_rng_seeded
 
 
 class NamedItemErrors(Dataset):
@@ -34,12 +34,17 @@ class NamedItemErrors(Dataset):
             raise DataError(f"{self.name} item {index} failed: {type(error).__name__}: {error}") from error
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
-        # In a worker, reseed from the micro-batch's place in the run: augmentation is then
-        # the same whichever worker loads it, and after a resume. The main process
-        # (num_workers=0) keeps one RNG stream, which checkpoints save and restore.
+        # Load under host generators seeded from the micro-batch's place in the run: augmentation
+        # is then the same whichever process loads it (a worker, or the main process with
+        # num_workers=0), however far ahead a prefetcher reads, and after a resume. The stream
+        # the training step draws from (CPU dropout, `augment`) is put back untouched.
         position = getattr(indices, "position", None)
-        if position is not None and get_worker_info() is not None:
-            seed_everything(derived_seed(self.seed, *position))
+        if position is None:
+            return self._load(indices)
+        with host_rng_seeded(derived_seed(self.seed, *position)):
+            return self._load(indices)
+
+    def _load(self, indices: list[int]) -> list[Any]:
         batched = getattr(self.dataset, "__getitems__", None)
         if batched is not None:
             try:

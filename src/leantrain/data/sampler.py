@@ -33,9 +33,10 @@ def steps_per_epoch(dataset_size: int, plan: BatchPlan) -> int:
 class MicroBatch(list):
     """The indices of one micro-batch, and where it sits in the run: ``(step, rank, micro)``.
 
-    Worker processes seed their RNGs from ``(seed, *position)`` before loading it (see
-    ``data/loader.py``), so random augmentation depends on the sample's place in the run,
-    not on which worker loads it or whether the run was resumed.
+    The process that loads it (a worker, or the main process) seeds its host RNGs from
+    ``(seed, *position)`` first (see ``data/loader.py``), so random augmentation depends on the
+    sample's place in the run, not on which process loads it, how far ahead a prefetcher
+    reads, or whether the run was resumed.
     """
 
     def __init__(self, indices: list[int], position: tuple[int, int, int]) -> None:
