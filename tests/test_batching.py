@@ -39,7 +39,7 @@ def reference_parameters(task: RegressionTask, steps: int, seed: int = 0) -> lis
 
 
 def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+    return max(float((x.cpu() - y.cpu()).abs().max()) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("loss_kind", ["mean", "sum"])

@@ -44,7 +44,7 @@ def test_stop_names_the_step_and_saves_the_state_before_it(fit, tmp_path):
     saved = load_checkpoint(error.value.checkpoint)
     assert saved["step"] == 2
     reference = clean.model.state_dict()
-    assert all(torch.equal(saved["model"][name], value) for name, value in reference.items())
+    assert all(torch.equal(saved["model"][name], value.cpu()) for name, value in reference.items())
 
 
 def test_a_run_stopped_by_nan_continues_from_the_last_good_state(fit, tmp_path):

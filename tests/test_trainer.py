@@ -53,7 +53,7 @@ def test_fit_writes_summary_metrics_tensorboard_and_weights(tmp_path):
     assert list(run.glob("events.out.tfevents.*"))
     weights = load_file(run / "model.safetensors")
     for name, param in result.model.state_dict().items():
-        assert torch.equal(weights[name], param)
+        assert torch.equal(weights[name], param.cpu())
 
 
 def test_training_reduces_the_loss(fit):

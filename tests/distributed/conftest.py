@@ -16,8 +16,9 @@ LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
 
 
 def worker_env() -> dict[str, str]:
-    """One intra-op thread per process (2 cores are shared), and the tests importable."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    """One intra-op thread per process (2 cores are shared), the tests importable, and the CPU even
+    where a GPU is present: these are gloo jobs, and a one-GPU machine cannot give each rank its own."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
 
 
 def leantrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -99,6 +99,7 @@ def test_time_limit_signal_checkpoints_requeues_and_the_job_resumes_exactly(tmp_
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",  # two gloo ranks on the CPU, also on a machine with one GPU
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": "localhost",
         "SLURM_JOB_NUM_NODES": "1",

@@ -12,7 +12,7 @@ from tests.conftest import DeepRegression
 
 
 def test_a_split_model_trains_exactly_as_the_whole_model(fit):
-    whole = fit(DeepRegression(), global_batch_size=16, micro_batch_size=4, max_steps=10)
+    whole = fit(DeepRegression(), global_batch_size=16, micro_batch_size=4, max_steps=10, device="cpu")
     split = fit(DeepRegression(), global_batch_size=16, micro_batch_size=4, max_steps=10,
                 strategy="split", device_map="cpu,cpu")  # fmt: skip
     assert split.strategy == "split"
