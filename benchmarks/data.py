@@ -54,10 +54,9 @@ import numpy as np
 import torch
 
 import leantrain as lt
-import leantrain.data.pipeline as pipeline
+import leantrain.data.build as data_build
 from _common import add_output_options, cpu_model, load_now, output_path, publish
 from _common import ranged as common_ranged
-from leantrain.batching import BatchPlan
 from leantrain.data.cache import prepare_cache, task_source
 from leantrain.data.loader import build_loader
 from leantrain.data.sampler import GlobalBatchSampler
@@ -69,6 +68,7 @@ from leantrain.data.workers import (
     tune_candidates,
 )
 from leantrain.examples.slowdata import SlowDataTask
+from leantrain.step.batching import BatchSplit
 
 DEFAULT_THREADS = torch.get_num_threads()  # torch's own choice, read before anything changes it
 THREADS = 1
@@ -235,7 +235,7 @@ def window_of(clock: StepClock) -> Window:
 
 
 tune_log: list[tuple[float, Any]] = []
-_tune_workers = pipeline.tune_workers
+_tune_workers = data_build.tune_workers
 
 
 def timed_tune_workers(*args: Any, **kwargs: Any) -> Any:
@@ -245,7 +245,7 @@ def timed_tune_workers(*args: Any, **kwargs: Any) -> Any:
     return result
 
 
-pipeline.tune_workers = timed_tune_workers
+data_build.tune_workers = timed_tune_workers
 
 
 # ---------------------------------------------------------------------------------------
@@ -291,7 +291,7 @@ def train(task: SlowDataTask, setting: Setting, steps: int, warmup: int, cache: 
 def load_alone(dataset: Any, setting: Setting, steps: int, warmup: int) -> Outcome:
     """The loader fit builds (leantrain's sampler, item wrapper and prefetch), iterated without training."""
     workers = auto_workers(1) if setting.workers == "auto" else int(setting.workers)
-    plan = BatchPlan(BATCH_SIZE, BATCH_SIZE, 1)
+    plan = BatchSplit(BATCH_SIZE, BATCH_SIZE, 1)
     sampler = GlobalBatchSampler(len(dataset), plan, steps, seed=SEED)
     prefetch = auto_prefetch(workers, plan.accumulation_steps) if workers else None
     clock = StepClock(steps, warmup)
@@ -510,7 +510,7 @@ def render(
         "counts the first step's wait for the workers to start and the prefetch to fill. *Start-up*: "
         "from calling `fit` to the first step's end (model, loader, worker start, first batch; for tune, "
         "its trials too). *tune*: the time in `tune_workers` (a pass-through wrapper around the function "
-        "leantrain calls, `leantrain.data.pipeline.tune_workers`), which is before the first step and in "
+        "leantrain calls, `leantrain.data.build.tune_workers`), which is before the first step and in "
         "no samples/s figure. *Workers*: `FitResult.num_workers` (the count auto or tune chose).",
         f"- Other load: before each timed run the script waits (at most {args.quiet_wait:g} s) until "
         f"other processes use at most {args.max_others:g} cores over 0.3 s, and a run during which they "

@@ -18,7 +18,7 @@ Three measurements, all with one intra-op thread (``torch.set_num_threads(1)``):
    autograd drops it), the accountant's totals (``FitResult.params_bytes`` etc.), the step time
    (interleaved as above), and the peak process memory of each setting in a fresh subprocess
    (``VmHWM`` after a reset through ``/proc/self/clear_refs``, minus the resident set before ``fit``).
-3. ``leantrain plan``: ``plan_memory(task, TrainConfig(...)).rows`` (a meta-device model, fake
+3. ``leantrain plan``: ``estimate_memory(task, TrainConfig(...)).rows`` (a meta-device model, fake
    tensors) next to the measured bytes of every setting above.
 
     python benchmarks/memory.py            # full run (about 5 min on 2 cores); writes results/memory.md
@@ -61,10 +61,11 @@ from _common import (
     reset_peak_rss,
     run_probe_script,
 )
+from leantrain.blocks import BlockPolicy
 from leantrain.examples.charlm import CharLMTask
 from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, base_tensor
-from leantrain.memory.checkpointing import CheckpointPolicy, apply_activation_checkpointing
-from leantrain.memory.plan import plan_memory
+from leantrain.memory.estimate import estimate_memory
+from leantrain.memory.recompute import apply_activation_checkpointing
 
 SIZE = {"block": 64, "heads": 4, "width": 128}  # charlm's defaults; the depth varies
 CHECKPOINTING = "Block"  # every transformer block of charlm recomputed in backward
@@ -151,7 +152,7 @@ def saved_bytes(task: CharLM, micro_batch: int, checkpointing: str | None) -> in
     torch.manual_seed(SEED)
     model = task.model()
     if checkpointing is not None:
-        apply_activation_checkpointing(model, CheckpointPolicy.parse(checkpointing))
+        apply_activation_checkpointing(model, BlockPolicy.parse(checkpointing))
     model.train()
     with SavedActivations(model.parameters()) as saved:
         task.loss(model, first_batch(task, micro_batch))
@@ -376,7 +377,7 @@ def planned_rows(task: CharLM, global_batch: int, checkpointing: str | None) -> 
     config = lt.TrainConfig(
         global_batch_size=global_batch, activation_checkpointing=checkpointing, device="cpu"
     )
-    return {row.micro_batch_size: row.memory for row in plan_memory(task, config).rows}
+    return {row.micro_batch_size: row.memory for row in estimate_memory(task, config).rows}
 
 
 def fit_total(result: lt.FitResult) -> int:
@@ -602,7 +603,7 @@ def render(res: Results, args: argparse.Namespace, load_before: str, minutes: fl
         "",
         "## 3. `leantrain plan` against the measurement",
         "",
-        "- *Plan*: `leantrain.memory.plan.plan_memory(task, TrainConfig(global_batch_size=..., "
+        "- *Plan*: `leantrain.memory.estimate.estimate_memory(task, TrainConfig(global_batch_size=..., "
         "activation_checkpointing=...)).rows`, the row of the micro-batch (a model on the meta "
         "device, a forward on fake tensors). *Measured*: `SavedActivations` around a real forward "
         "(part 1 and 2), and for the totals the `FitResult`'s four fields of the same setting. Bytes.",

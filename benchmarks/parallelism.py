@@ -51,8 +51,8 @@ import leantrain as lt
 from _common import add_output_options, cpu_model, load_now, output_path, publish, ranged
 from leantrain.examples.charlm import Block, CharLMTask
 from leantrain.memory.accountant import base_tensor
-from leantrain.parallel.apply import parallelize
-from leantrain.parallel.dims import ParallelDims
+from leantrain.strategies.dims import ParallelDims
+from leantrain.strategies.fsdp import FullyShard
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "results" / "parallelism.md"
@@ -224,7 +224,8 @@ def fsdp_probe(out: Path) -> None:
         torch.manual_seed(SEED)
         model = task.model()
         config = lt.TrainConfig(strategy="fsdp", global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH)
-        plan = parallelize(model, ParallelDims(dp=dist.get_world_size()), config, "fsdp", torch.device("cpu"))
+        plan = FullyShard(config, torch.device("cpu"), ParallelDims(dp=dist.get_world_size()))
+        plan.wrap(model, None)
         exclude = {id(base_tensor(p)) for p in plan.model.parameters()}
         saved: dict[int, torch.Tensor] = {}
 
@@ -468,7 +469,7 @@ def findings(
         f"- **fsdp's activations** read {mib(fsdp.first('activation_bytes'))} MiB against ddp's "
         f"{mib(ddp.first('activation_bytes'))} MiB for the same micro-batch (+{act_extra / MIB:.3f} MiB, "
         f"{act_extra / ddp.first('activation_bytes'):+.1%}). The probe (torchrun, {PROCESSES} processes, the "
-        "model sharded by leantrain's own `parallelize(..., 'fsdp', ...)`, one training forward of the first "
+        "model sharded by leantrain's own `FullyShard` strategy, one training forward of the first "
         f"micro-batch) counts {mib(probe['counted_bytes'])} MiB of saved tensors"
         + (" (the run's figure exactly)" if consistent else " (not the run's figure: see the table)")
         + f", of which {probe['freed_tensors']} tensors, {mib(probe['freed_bytes'])} MiB, have no storage "

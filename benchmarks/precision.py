@@ -59,7 +59,7 @@ from _common import (
 )
 from leantrain.data.loader import move_to_device
 from leantrain.examples.charlm import CharLMTask
-from leantrain.precision import make_precision
+from leantrain.step.precision import make_precision
 
 MODES = ("32", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 BASELINE, NOISE_FLOOR = "32", "32, again"
@@ -455,7 +455,7 @@ def render(
         "",
         "## State bytes of one step (exact, from the tensors)",
         "",
-        "- One step driven by hand through `leantrain.precision.make_precision(mode, cpu)`: `prepare` "
+        "- One step driven by hand through `leantrain.step.precision.make_precision(mode, cpu)`: `prepare` "
         "(model cast for -true; the optimizer gets fp32 masters), forward under `autocast()` on one "
         f"micro-batch of {BATCH_SIZE} (inputs through `move_to_device(..., dtype=input_dtype)`), "
         "`backward(loss.sum)`, `unscale_and_clip`, `step` (AdamW), `zero_grad`.",

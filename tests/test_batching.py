@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
 
-from leantrain.batching import BatchPlan
 from leantrain.runtime import seed_everything
+from leantrain.step.batching import BatchSplit
 from tests.conftest import RegressionTask
 
 STEPS = 20
@@ -80,12 +82,12 @@ def test_loss_sum_is_not_a_mean_of_micro_batch_means(fit):
     assert max_difference([p.detach() for p in exact.model.parameters()], naive) > 1e-6
 
 
-def test_batch_plan_derives_accumulation():
-    plan = BatchPlan(global_batch_size=64, micro_batch_size=4, world_size=2)
+def test_batch_split_derives_accumulation():
+    plan = BatchSplit(global_batch_size=64, micro_batch_size=4, world_size=2)
     assert plan.per_rank_batch_size == 32
     assert plan.accumulation_steps == 8
     with pytest.raises(ValueError, match="inconsistent"):
-        BatchPlan(global_batch_size=64, micro_batch_size=5)
+        BatchSplit(global_batch_size=64, micro_batch_size=5)
 
 
 def test_final_train_loss_is_the_last_global_batch_loss(fit):
@@ -93,3 +95,28 @@ def test_final_train_loss_is_the_last_global_batch_loss(fit):
     split = fit(task, global_batch_size=GLOBAL, micro_batch_size=2, max_steps=3)
     whole = fit(RegressionTask(loss_kind="sum"), global_batch_size=GLOBAL, max_steps=3)
     assert split.final_train_loss == pytest.approx(whole.final_train_loss, rel=1e-12)
+
+
+class KeepsNothing(RegressionTask):
+    """Each loss makes a leaf tensor of its own; it must be gone before the next micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[weakref.ref] = []
+        self.alive_at_each_call: list[int] = []
+
+    def loss(self, model, batch):
+        self.alive_at_each_call.append(sum(ref() is not None for ref in self.made))
+        held = torch.ones(len(batch[0]), 8, requires_grad=True)
+        self.made.append(weakref.ref(held))
+        return super().loss(model, batch) + 0 * (held * 2).sum()
+
+
+@pytest.mark.parametrize("strategy", ["single", "split"])
+def test_nothing_of_a_micro_batch_outlives_its_backward(fit, strategy):
+    """A graph kept to the end of the step would hold every micro-batch's tensors at once: memory
+    that grows with the accumulation steps (a real CUDA budget then fails at micro-batch 1)."""
+    task = KeepsNothing()
+    fields = {"device_map": "cpu,cpu"} if strategy == "split" else {}
+    fit(task, global_batch_size=16, micro_batch_size=4, max_steps=2, strategy=strategy, **fields)
+    assert len(task.alive_at_each_call) == 8 and set(task.alive_at_each_call) == {0}

@@ -22,8 +22,6 @@ BAD_VALUES = [
     ("num_workers", -2, "0 or more"),
     ("prefetch_factor", 2, "needs num_workers > 0"),
     ("device", "tpu", "allowed: auto, cpu, cuda, cuda:N, mps"),
-    ("strategy", "ddpp", "one of auto, single, ddp, dp, fsdp"),
-    ("shard_blocks", "Block", "is used with strategy fsdp only"),
     ("seed", -1, "between 0 and 2**63 - 1"),
     ("deterministic", 1, "true or false"),
     ("log_every_n_steps", 0, "positive integer"),
@@ -46,24 +44,6 @@ def test_each_bad_value_gives_one_line_naming_field_value_and_allowed(field, val
     assert message.startswith(f"invalid {field}={value!r}:")
     assert allowed in message
     assert caught.value.field == field
-
-
-@pytest.mark.parametrize(
-    ("fields", "field", "allowed"),
-    [
-        ({"precision": "16-mixed"}, "precision", "with strategy fsdp: 32 or bf16-mixed"),
-        ({"precision": "bf16-true"}, "precision", "with strategy fsdp: 32 or bf16-mixed"),
-        ({"micro_batch_size": "auto"}, "strategy", "does not yet adapt the micro-batch"),
-        ({"shard_blocks": "every:0"}, "shard_blocks", "comma-separated module class names"),
-    ],
-)
-def test_fsdp_settings_it_cannot_run_are_refused(fields, field, allowed):
-    with pytest.raises(lt.ConfigError) as caught:
-        lt.TrainConfig(strategy="fsdp", **fields)
-    assert caught.value.field == field and allowed in str(caught.value)
-    assert (
-        lt.TrainConfig(strategy="fsdp", precision="bf16-mixed", shard_blocks="Block").shard_blocks == "Block"
-    )
 
 
 def test_defaults_are_valid_and_frozen():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import leantrain as lt
-from leantrain.parallel.env import ClusterEnv
+from leantrain.cluster import ClusterEnv
 from leantrain.trainer import _process_device
 from tests.conftest import RegressionTask
 from tests.test_resume import StopAt, train

@@ -5,8 +5,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import leantrain as lt
-from leantrain.evaluation import batch_size_of, evaluate
-from leantrain.precision import Fp32
+from leantrain.step.evaluation import batch_size_of, evaluate
+from leantrain.step.precision import Fp32
+from leantrain.strategies.dims import ParallelDims
+from leantrain.strategies.single import Single
 from tests.conftest import TinyClassifier
 
 
@@ -23,7 +25,9 @@ def test_evaluate_weights_uneven_batches_by_samples():
     model = task.model()
     data = TensorDataset(task.x, task.y)
     loader = DataLoader(data, batch_size=4)  # batches of 4, 4, 2
-    metrics = evaluate(model, task, loader, torch.device("cpu"), Fp32())
+    strategy = Single(lt.TrainConfig(), torch.device("cpu"), ParallelDims())
+    strategy.wrap(model, None)
+    metrics = evaluate(strategy, task, loader, Fp32())
     with torch.no_grad():
         logits = model(task.x)
         expected_loss = torch.nn.functional.cross_entropy(logits, task.y)

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 import leantrain as lt
-from leantrain.batching import StepStatus
 from leantrain.checkpoint import load_checkpoint
+from leantrain.step.accumulator import StepStatus
 from tests.conftest import PoisonedSteps, RegressionTask
 
 

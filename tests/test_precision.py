@@ -10,11 +10,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import leantrain as lt
-from leantrain.batching import StepStatus
 from leantrain.examples.charlm import CharLMTask
 from leantrain.examples.digits import DigitsTask
-from leantrain.loss_scaler import INITIAL_SCALE, DynamicLossScaler
-from leantrain.precision import Autocast, Fp32, MasterWeights, make_precision
+from leantrain.step.accumulator import StepStatus
+from leantrain.step.loss_scaler import INITIAL_SCALE, DynamicLossScaler
+from leantrain.step.precision import Autocast, Fp32, MasterWeights, make_precision
 from tests.conftest import TinyClassifier
 
 CPU = torch.device("cpu")

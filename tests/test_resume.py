@@ -100,12 +100,12 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path, workers):
 
 
 def test_without_the_rng_state_the_resume_would_differ(tmp_path, monkeypatch):
-    """The control for the test above: dropout really depends on the restored RNG. With workers,
-    the main process's generators are not reseeded per micro-batch, so only the restore keeps them."""
+    """The control for the test above: dropout really depends on the restored RNG (loading puts
+    the main process's generators back after each micro-batch: only the restore sets them)."""
     reference = train(tmp_path / "reference", checkpoint_every=3, num_workers=2)
     with pytest.raises(KeyboardInterrupt):
         train(tmp_path / "run", [StopAt(7)], checkpoint_every=3, num_workers=2)
-    monkeypatch.setattr("leantrain.trainer.restore_rng", lambda state: None)
+    monkeypatch.setattr("leantrain.run.loop.restore_rng", lambda state: None)
     resumed = train(tmp_path / "run", checkpoint_every=3, resume="auto", num_workers=2)
     assert not all(
         torch.equal(x, y)

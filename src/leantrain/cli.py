@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leantrain.checkpoint import export_checkpoint
+from leantrain.cluster import detect
 from leantrain.config import GROUPS, TrainConfig, coerce, metavar
 from leantrain.data.cache import prepare_cache, task_source
 from leantrain.data.workers import auto_workers
@@ -31,13 +32,13 @@ from leantrain.diagnose.doctor import DEFAULT_STEPS, DEFAULT_WARMUP, TRACED_STEP
 from leantrain.diagnose.report import print_report, write_html
 from leantrain.errors import ConfigError, LeantrainError, RunInterrupted, TaskError
 from leantrain.examples import DEFAULT_EXAMPLE, EXAMPLES, load_example
-from leantrain.memory.accountant import format_bytes, parse_bytes
-from leantrain.memory.plan import DEFAULT_MARGIN, RECOMPUTE_PAYS, Plan, plan_memory
-from leantrain.parallel.env import detect
-from leantrain.parallel.launch import LaunchOptions, launch
-from leantrain.parallel.slurm import SlurmOptions, sbatch_script, submit
+from leantrain.launch.slurm import SlurmOptions, sbatch_script, submit
+from leantrain.launch.torchrun import LaunchOptions, launch
+from leantrain.memory.estimate import DEFAULT_MARGIN, RECOMPUTE_PAYS, MemoryEstimate, estimate_memory
+from leantrain.strategies.registry import check_config, names, strategies
 from leantrain.task import load_task
 from leantrain.trainer import FitResult, Trainer
+from leantrain.units import format_bytes, parse_bytes
 
 EXIT_USAGE = 2
 # Flags that are not TrainConfig fields.
@@ -75,10 +76,15 @@ def _fit_parser(
             *FLAG_ALIASES.get(field.name, []),
             dest=field.name,
             default=field.default,
-            metavar=metavar(hints[field.name]),
-            help=field.metadata["help"],
+            metavar=metavar(hints[field.name]) if field.name != "strategy" else "{" + ",".join(names()) + "}",
+            help=field.metadata["help"] if field.name != "strategy" else _strategy_help(),
         )
     return parser
+
+
+def _strategy_help() -> str:
+    lines = [f"{name}: {cls.summary}" for name, cls in strategies().items()]
+    return "auto: ddp when launched as several processes, else single; " + "; ".join(lines)
 
 
 def build_parser() -> ArgumentParser:
@@ -168,14 +174,14 @@ def _plan_parser() -> ArgumentParser:
     return parser
 
 
-def run_plan(values: dict[str, Any], console: Console) -> Plan:
+def run_plan(values: dict[str, Any], console: Console) -> MemoryEstimate:
     margin, as_json = values.pop("safety_margin"), values.pop("json")
     if not 0 <= margin < 1:
         raise ConfigError("safety_margin", margin, "must be at least 0 and below 1")
     cfg = config_from_args(values)
     budget = None if cfg.memory_budget is None else parse_bytes(cfg.memory_budget)
     task, _ = resolve_task(values.get("task"), values.get("example"))
-    plan = plan_memory(task, cfg, budget=budget, margin=margin)
+    plan = estimate_memory(task, cfg, budget=budget, margin=margin)
     if as_json:
         print(json.dumps(plan.as_dict()))
     else:
@@ -184,7 +190,7 @@ def run_plan(values: dict[str, Any], console: Console) -> Plan:
     return plan
 
 
-def _plan_table(plan: Plan) -> Table:
+def _plan_table(plan: MemoryEstimate) -> Table:
     budget = "" if plan.budget is None else f", budget {format_bytes(plan.budget)} less {plan.margin:.0%}"
     table = Table(title=f"memory per step, precision {plan.precision}{budget}")
     columns = ("micro", "recompute", "params", "grads", "optimizer", "activations", "total", "fits")
@@ -309,15 +315,18 @@ def _fit_arguments(
     parsed = getattr(build_parser().parse_args(arguments), arguments[0]).as_dict()
     config = config_from_args(parsed)
     if world_size is not None:
-        config.validate(world_size)
+        check_config(config, world_size)
     return arguments[0], arguments[1:]
 
 
 def config_from_args(values: dict[str, Any]) -> TrainConfig:
-    """A validated TrainConfig from parsed flag values (text or YAML scalars)."""
+    """A validated TrainConfig from parsed flag values (text or YAML scalars), its strategy's rules
+    checked too (those that need the number of processes are checked where it is known)."""
     hints = typing.get_type_hints(TrainConfig)
     fields = {f.name: coerce(values[f.name], hints[f.name]) for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**fields)
+    config = TrainConfig(**fields)
+    check_config(config)
+    return config
 
 
 def resolve_task(task: str | None, example: str | None) -> tuple[Any, str]:

@@ -1,10 +1,12 @@
 """TrainConfig: every setting of a run in one flat, typed, frozen dataclass.
 
 Fields are grouped by concern (the ``group`` in each field's metadata drives the
-sections of ``leantrain fit --help``). :meth:`TrainConfig.validate` is the one place
-where values are checked; it runs when the config is created, so an invalid
-``TrainConfig`` cannot exist, and it turns every bad value into a one-line
+sections of ``leantrain fit --help``). :meth:`TrainConfig.validate` checks the values
+when the config is created and turns every bad one into a one-line
 :class:`~leantrain.errors.ConfigError` naming the field, the value and what is allowed.
+Rules that involve a strategy (its own fields, its precisions, how many processes it needs)
+belong to the strategy: ``leantrain.strategies.registry.check_config`` applies them, before
+any process starts (the CLI) and when ``Trainer.fit`` begins.
 """
 
 from __future__ import annotations
@@ -16,20 +18,16 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from leantrain.blocks import BlockPolicy
 from leantrain.errors import ConfigError
-from leantrain.memory.accountant import parse_bytes
-from leantrain.memory.checkpointing import CheckpointPolicy
+from leantrain.units import parse_bytes
 
 Precision = Literal["32", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 NanPolicy = Literal["stop", "skip"]
 WorkerChoice = Literal["auto", "tune"]
 Auto = Literal["auto"]
 LrScaling = Literal["none", "linear", "sqrt"]
-Strategy = Literal["auto", "single", "ddp", "dp", "fsdp", "split", "pipeline"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
-# Precisions of fsdp and pipeline: FSDP2's mixed-precision policy keeps fp32 shards (the
-# master weights) and computes in bf16, which is what bf16-true buys elsewhere.
-PARTED_PRECISIONS = ("32", "bf16-mixed")
 ProgressMode = Literal["auto", "rich", "plain", "none"]
 
 GROUPS = {
@@ -133,12 +131,11 @@ class TrainConfig:
     )
     # parallel
     device: str = _field("auto", "parallel", "auto (CUDA if present, else CPU), cpu, cuda, cuda:N or mps")
-    strategy: Strategy = _field(
+    strategy: str = _field(
         "auto",
         "parallel",
-        "auto: ddp when launched as several processes, else single; dp: DataParallel; fsdp: parameters, "
-        "gradients and optimizer state sharded over the processes (FSDP2); split: one process, the model's "
-        "parts on the devices of device_map; pipeline: the model's stages on pipeline_stages processes",
+        "auto: ddp when launched as several processes, else single; or a strategy's name (see "
+        "`leantrain fit --help`); its rules are checked by leantrain.strategies before the run starts",
     )
     device_map: str | None = _field(
         None,
@@ -207,7 +204,7 @@ class TrainConfig:
                 "is needed with lr_scaling linear or sqrt, and only with them",
             )
         if self.activation_checkpointing is not None:
-            CheckpointPolicy.parse(self.activation_checkpointing)  # raises a ConfigError naming the field
+            BlockPolicy.parse(self.activation_checkpointing)  # raises a ConfigError naming the field
         if self.activation_checkpointing == "auto" and (
             self.memory_budget is None or self.micro_batch_size == "auto"
         ):
@@ -220,19 +217,12 @@ class TrainConfig:
             raise ConfigError("cache", self.cache, "must be a folder path")
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise ConfigError("prefetch_factor", self.prefetch_factor, "needs num_workers > 0")
-        self._validate_sharding()
-        self._validate_split()
-        self._validate_pipeline()
         if self.resume == "auto" and self.out_dir is None:
             raise ConfigError("resume", self.resume, "needs out_dir: the run folder to resume")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ConfigError("device", self.device, "allowed: auto, cpu, cuda, cuda:N, mps")
 
     def _validate_batch(self, world_size: int) -> None:
-        stages = self.pipeline_stages or 1
-        if world_size > 1 and world_size % stages:  # world 1: checked alone, before a launch
-            raise ConfigError("pipeline_stages", stages, f"must divide the number of processes {world_size}")
-        world_size = max(1, world_size // stages)  # data-parallel ranks: a pipeline's stages share samples
         per_rank, rest = divmod(self.global_batch_size, world_size)
         if rest:
             raise ConfigError(
@@ -248,47 +238,6 @@ class TrainConfig:
                 micro,
                 f"must divide the per-process batch {per_rank} (global_batch_size {self.global_batch_size}"
                 f" / world size {world_size}); allowed: {', '.join(map(str, divisors))}",
-            )
-
-    def _validate_pipeline(self) -> None:
-        if (self.strategy == "pipeline") != (self.pipeline_stages is not None):
-            raise ConfigError(
-                "pipeline_stages", self.pipeline_stages, "is needed with strategy pipeline, and only with it"
-            )
-
-    def _validate_split(self) -> None:
-        if (self.strategy == "split") != (self.device_map is not None):
-            raise ConfigError(
-                "device_map", self.device_map, "is needed with strategy split, and only with it"
-            )
-        if self.strategy == "split" and self.precision.endswith("-true"):
-            raise ConfigError("precision", self.precision, "with strategy split: 32, bf16-mixed or 16-mixed")
-        if self.device_map is not None:
-            from leantrain.parallel.split import parse_device_map  # torch, only when used
-
-            parse_device_map(self.device_map)
-
-    def _validate_sharding(self) -> None:
-        if self.shard_blocks is not None and self.strategy != "fsdp":
-            raise ConfigError("shard_blocks", self.shard_blocks, "is used with strategy fsdp only")
-        if self.shard_blocks is not None:
-            CheckpointPolicy.parse(self.shard_blocks, field="shard_blocks")
-        if self.strategy not in ("fsdp", "pipeline"):
-            return
-        # Both hold parts of the state per process: fp32 parts computed in bf16 stand in for the
-        # true 16-bit modes' masters, and the micro-batch cannot yet be re-split under them.
-        if self.precision not in PARTED_PRECISIONS:
-            raise ConfigError(
-                "precision",
-                self.precision,
-                f"with strategy {self.strategy}: 32 or bf16-mixed (fp32 parameters computed in bf16 "
-                "are what bf16-true would give)",
-            )
-        if self.micro_batch_size == "auto" or self.memory_budget is not None:
-            raise ConfigError(
-                "strategy",
-                self.strategy,
-                "does not yet adapt the micro-batch: set micro_batch_size, no memory_budget",
             )
 
     @property

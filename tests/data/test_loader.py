@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from leantrain.batching import BatchPlan
 from leantrain.data.loader import build_loader, check_map_style, device_batches, move_to_device
 from leantrain.data.sampler import GlobalBatchSampler
 from leantrain.errors import DataError, TaskError
+from leantrain.step.batching import BatchSplit
 
 
 class FailsAt(Dataset):
@@ -40,7 +40,7 @@ class NoisyItems(Dataset):
 
 
 def loaded(workers: int, disturb: bool = False) -> list[torch.Tensor]:
-    sampler = GlobalBatchSampler(24, BatchPlan(8, 4), total_steps=5, seed=3)
+    sampler = GlobalBatchSampler(24, BatchSplit(8, 4), total_steps=5, seed=3)
     batches = []
     for batch in build_loader(NoisyItems(), "train_data", batch_sampler=sampler, num_workers=workers, seed=3):
         batches.append(batch)
@@ -57,19 +57,13 @@ def test_augmentation_follows_the_micro_batch_position_not_the_loading_process()
 
 
 def test_loading_in_the_main_process_leaves_the_training_steps_random_stream_alone():
-    import random
-
-    import numpy as np
-
-    def next_draws() -> tuple:
-        return torch.rand(3), np.random.rand(), random.random()
-
-    torch.manual_seed(11), np.random.seed(11), random.seed(11)
-    expected = next_draws()
-    torch.manual_seed(11), np.random.seed(11), random.seed(11)
+    """Torch's CPU generator is the training step's (CPU dropout, ``augment``): loading must not
+    shift it, however many micro-batches it loads."""
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
     loaded(workers=0)
-    after = next_draws()
-    assert torch.equal(after[0], expected[0]) and after[1:] == expected[1:]
+    assert torch.equal(torch.rand(3), expected)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

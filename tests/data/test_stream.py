@@ -7,10 +7,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import leantrain as lt
-from leantrain.batching import BatchPlan
 from leantrain.data.loader import build_loader
 from leantrain.data.sampler import GlobalBatchSampler
 from leantrain.data.stream import RankShard, StreamShard
+from leantrain.step.batching import BatchSplit
 from tests.conftest import RegressionTask, StreamedRegression
 
 
@@ -52,7 +52,7 @@ def map_batches(size, plan, steps, rank, workers, start_step=0):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_every_sample_is_seen_once_per_epoch_whatever_the_split(kind, workers, ranks):
     size, steps = 48, 6  # 2 epochs of 3 global batches of 16
-    plan = BatchPlan(global_batch_size=16, micro_batch_size=4, world_size=ranks)
+    plan = BatchSplit(global_batch_size=16, micro_batch_size=4, world_size=ranks)
     seen: list[int] = []
     for rank in range(ranks):
         if kind == "stream":
@@ -69,7 +69,7 @@ def test_every_sample_is_seen_once_per_epoch_whatever_the_split(kind, workers, r
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stream_gives_the_same_micro_batches_as_map_style_data(workers):
-    plan = BatchPlan(global_batch_size=16, micro_batch_size=4, world_size=2)
+    plan = BatchSplit(global_batch_size=16, micro_batch_size=4, world_size=2)
     for rank in range(2):
         stream = [b[0].tolist() for b in stream_batches(Numbers(48), plan, 6, rank, workers)]
         mapped = [b[0].tolist() for b in map_batches(48, plan, 6, rank, 0)]
@@ -78,21 +78,21 @@ def test_a_stream_gives_the_same_micro_batches_as_map_style_data(workers):
 
 @pytest.mark.parametrize("sized", [True, False])
 def test_a_stream_resumes_at_its_step_with_or_without_a_length(sized):
-    plan = BatchPlan(global_batch_size=8, micro_batch_size=4)
+    plan = BatchSplit(global_batch_size=8, micro_batch_size=4)
     whole = [b[0].tolist() for b in stream_batches(Numbers(40, sized), plan, 12, 0, 0)]
     resumed = [b[0].tolist() for b in stream_batches(Numbers(40, sized), plan, 12, 0, 0, start_step=7)]
     assert resumed == whole[7 * 2 :]
 
 
 def test_a_last_partial_global_batch_is_dropped_as_for_map_style_data():
-    plan = BatchPlan(global_batch_size=8, micro_batch_size=4)
+    plan = BatchSplit(global_batch_size=8, micro_batch_size=4)
     batches = stream_batches(Numbers(20), plan, 4, 0, 0)  # 2 whole global batches per epoch, 4 left over
     assert [b[0].tolist() for b in batches][4] == [0, 1, 2, 3]  # epoch 1 starts after sample 15
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_failing_stream_names_the_item_and_the_epoch(workers):
-    plan = BatchPlan(global_batch_size=8, micro_batch_size=4)
+    plan = BatchSplit(global_batch_size=8, micro_batch_size=4)
     with pytest.raises(
         lt.DataError, match="train_data item 13 of epoch 0 failed: ValueError: corrupt record"
     ):
@@ -101,7 +101,7 @@ def test_a_failing_stream_names_the_item_and_the_epoch(workers):
 
 def test_a_stream_shorter_than_a_global_batch_is_an_error():
     with pytest.raises(lt.DataError, match="fewer items than one global batch"):
-        stream_batches(Numbers(5), BatchPlan(global_batch_size=8, micro_batch_size=4), 2, 0, 0)
+        stream_batches(Numbers(5), BatchSplit(global_batch_size=8, micro_batch_size=4), 2, 0, 0)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

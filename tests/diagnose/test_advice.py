@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from leantrain.diagnose import HostSync, Measurements, RetainedGraph, RunFacts, advise, loader_facts, verdict
 from leantrain.diagnose.timer import PHASES
 from leantrain.memory.accountant import MemoryBreakdown
+from leantrain.strategies.registry import strategy_class
 
 
 def phases(**ms: float) -> dict[str, float]:
@@ -141,7 +142,8 @@ def test_all_reduce_on_every_micro_batch_is_flagged() -> None:
 
 
 @pytest.mark.parametrize(("facts", "title"), [
-    (RunFacts(strategy="dp"), "use DistributedDataParallel instead of DataParallel"),
+    (RunFacts(strategy="dp", strategy_caveat=strategy_class("dp").caveat),
+     "use DistributedDataParallel instead of DataParallel"),
     (RunFacts(num_workers=2, persistent_workers=False), "keep DataLoader workers alive between epochs"),
     (RunFacts(device_type="cuda", pin_memory=False), "pin host batches"),
     (RunFacts(fast_16bit_ratio=8.0), "compute in bf16"),

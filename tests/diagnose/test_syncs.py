@@ -5,10 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leantrain.batching import Accumulator, BatchPlan
+import leantrain as lt
 from leantrain.diagnose import HostSyncs, RetainedGraphs
-from leantrain.log.metrics import LossTracker
-from leantrain.precision import Fp32
+from leantrain.step.accumulator import Accumulator
+from leantrain.step.batching import BatchSplit
+from leantrain.step.losses import LossTracker
+from leantrain.step.precision import Fp32
+from leantrain.strategies.dims import ParallelDims
+from leantrain.strategies.single import Single
 from tests.diagnose import lines
 
 
@@ -98,17 +102,19 @@ def test_torch_cuda_functions_are_restored_after() -> None:
 def test_the_engines_planned_read_is_counted_apart_from_user_code() -> None:
     """Accumulator._check_finite reads the loss once per step: leantrain's, not the user's."""
     model = torch.nn.Linear(3, 1)
-    plan = BatchPlan(global_batch_size=4, micro_batch_size=4, world_size=1)
-    accumulator = Accumulator(plan, Fp32(), model.parameters())
+    plan = BatchSplit(global_batch_size=4, micro_batch_size=4, world_size=1)
+    strategy = Single(lt.TrainConfig(), torch.device("cpu"), ParallelDims())
+    strategy.wrap(model, None)
+    accumulator = Accumulator(plan, Fp32(), strategy, list(model.parameters()))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = iter([torch.randn(4, 3) for _ in range(2)])
     with HostSyncs() as syncs:
         for step in range(2):
-            accumulator.step(model, optimizer, lambda m, b: m(b).pow(2).mean(), batches, step, LossTracker())
+            accumulator.step(optimizer, lambda m, b: m(b).pow(2).mean(), batches, step, LossTracker())
     assert syncs.sites() == []
     engine = syncs.sites(engine=True)
     assert [s.call for s in engine] == [".item()"] and engine[0].count == 2
-    assert engine[0].file.endswith("batching.py")
+    assert engine[0].file.endswith("accumulator.py")
 
 
 def test_a_kept_loss_is_found_where_it_was_created() -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import gc
 import json
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,38 +18,47 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import leantrain as lt
-from leantrain.batching import Accumulator, BatchPlan
-from leantrain.log.metrics import LossTracker
-from leantrain.parallel.apply import init_process_group, parallelize
-from leantrain.parallel.dims import ParallelDims
-from leantrain.parallel.env import detect
-from leantrain.precision import Fp32
+from leantrain.cluster import detect
+from leantrain.step.accumulator import Accumulator
+from leantrain.step.batching import BatchSplit
+from leantrain.step.losses import LossTracker
+from leantrain.step.precision import Fp32
+from leantrain.strategies.ddp import Distributed
+from leantrain.strategies.dims import ParallelDims
+from leantrain.strategies.process_group import init_process_group
 
 STEPS, MICRO, PER_RANK = 3, 2, 8
+
+
+class Counted(Distributed):
+    """DDP counting the accumulator's all-reduces; ``use_no_sync=False`` turns ``no_sync`` off."""
+
+    def __init__(self, use_no_sync: bool, counts: dict[str, int]) -> None:
+        super().__init__(lt.TrainConfig(), torch.device("cpu"), ParallelDims(dp=2))
+        self.use_no_sync, self.counts = use_no_sync, counts
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        return super().no_sync() if self.use_no_sync else nullcontext()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.counts["count_all_reduces"] += 1
+        return super().all_reduce_sum(tensor)
 
 
 def count_communication(use_no_sync: bool) -> dict[str, int]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    plan = parallelize(model, ParallelDims(dp=2), lt.TrainConfig(), "ddp", torch.device("cpu"))
     counts = {"gradient_all_reduces": 0, "count_all_reduces": 0}
+    strategy = Counted(use_no_sync, counts)
+    strategy.wrap(model, None)
 
     def counting_hook(state, bucket):
         counts["gradient_all_reduces"] += 1
         return default_hooks.allreduce_hook(state, bucket)
 
-    def counting_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-        counts["count_all_reduces"] += 1
-        return plan.all_reduce_sum(tensor)
-
-    plan.module.register_comm_hook(dist.group.WORLD, counting_hook)
-    accumulator = Accumulator(
-        BatchPlan(global_batch_size=2 * PER_RANK, micro_batch_size=MICRO, world_size=2),
-        Fp32(),
-        model.parameters(),
-        no_sync=plan.no_sync if use_no_sync else nullcontext,
-        all_reduce_sum=counting_all_reduce,
-    )
+    strategy.register_comm_hook(counting_hook)
+    split = BatchSplit(global_batch_size=2 * PER_RANK, micro_batch_size=MICRO, world_size=2)
+    accumulator = Accumulator(split, Fp32(), strategy, list(model.parameters()))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = iter([(torch.randn(MICRO, 4), torch.randn(MICRO, 1))] * (STEPS * PER_RANK // MICRO))
 
@@ -57,7 +67,7 @@ def count_communication(use_no_sync: bool) -> dict[str, int]:
         return lt.LossSum(((module(x) - y) ** 2).sum(), y.numel())
 
     for step in range(STEPS):
-        accumulator.step(plan.module, optimizer, loss, batches, step, LossTracker())
+        accumulator.step(optimizer, loss, batches, step, LossTracker())
     return counts
 
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 from safetensors.torch import load_file
 
 import leantrain as lt
-from leantrain.memory.plan import plan_memory
+from leantrain.memory.estimate import estimate_memory
 from tests.conftest import HeavyFromStep
 from tests.distributed.conftest import leantrain
 
 
 def test_one_rank_out_of_memory_makes_both_halve_and_the_run_matches_one_process(tmp_path, quiet_fit_flags):
     rows = {
-        r.micro_batch_size: r for r in plan_memory(HeavyFromStep(), lt.TrainConfig(global_batch_size=16)).rows
+        r.micro_batch_size: r
+        for r in estimate_memory(HeavyFromStep(), lt.TrainConfig(global_batch_size=16)).rows
     }
     budget = (rows[4].memory.total_bytes + rows[8].memory.total_bytes) // 2  # heavy: 4 fits, 8 does not
     fit = ["fit", "--global-batch-size", "16", "--max-steps", "8", *quiet_fit_flags]
@@ -32,7 +33,8 @@ def test_one_rank_out_of_memory_makes_both_halve_and_the_run_matches_one_process
 def test_auto_agrees_on_the_smallest_size_over_the_ranks(tmp_path, quiet_fit_flags):
     """Rank 1's micro-batches are heavy: its search finds 2 where rank 0's finds 8; both use 2."""
     rows = {
-        r.micro_batch_size: r for r in plan_memory(HeavyFromStep(), lt.TrainConfig(global_batch_size=16)).rows
+        r.micro_batch_size: r
+        for r in estimate_memory(HeavyFromStep(), lt.TrainConfig(global_batch_size=16)).rows
     }
     budget = (rows[2].memory.total_bytes + rows[4].memory.total_bytes) // 2
     task = "tests.distributed.tasks:heavy_on_rank1"

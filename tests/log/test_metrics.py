@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from leantrain.log.metrics import LossTracker
+from leantrain.step.losses import LossTracker
 
 
 def test_mean_losses_are_weighted_by_samples():

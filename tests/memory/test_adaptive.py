@@ -8,7 +8,7 @@ import pytest
 
 import leantrain as lt
 from leantrain.memory.adaptive import AllocatorRetries, next_smaller, search_micro_batch
-from leantrain.memory.plan import plan_memory
+from leantrain.memory.estimate import estimate_memory
 from tests.conftest import HeavyFromStep, RegressionTask
 
 
@@ -41,7 +41,7 @@ def test_allocator_retries_in_several_steps_in_a_row_call_for_smaller_micro_batc
 
 def budget_for(task, micro: int, **config) -> str:
     """A budget in which exactly the micro-batches up to ``micro`` fit (no margin)."""
-    rows = {row.micro_batch_size: row for row in plan_memory(task, lt.TrainConfig(**config)).rows}
+    rows = {row.micro_batch_size: row for row in estimate_memory(task, lt.TrainConfig(**config)).rows}
     fits, too_big = (
         rows[micro].memory.total_bytes,
         min(r.memory.total_bytes for s, r in rows.items() if s > micro),

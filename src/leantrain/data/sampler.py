@@ -16,18 +16,18 @@ from collections.abc import Iterator
 import numpy as np
 from torch.utils.data import Sampler
 
-from leantrain.batching import BatchPlan
 from leantrain.errors import LeantrainError
+from leantrain.step.batching import BatchSplit
 
 
-def steps_per_epoch(dataset_size: int, plan: BatchPlan) -> int:
+def steps_per_epoch(dataset_size: int, batch_split: BatchSplit) -> int:
     """Whole global batches in one pass over the data (a last partial one is dropped)."""
-    if dataset_size < plan.global_batch_size:
+    if dataset_size < batch_split.global_batch_size:
         raise LeantrainError(
             f"the training data has {dataset_size} samples, fewer than one global batch "
-            f"(global_batch_size={plan.global_batch_size})"
+            f"(global_batch_size={batch_split.global_batch_size})"
         )
-    return dataset_size // plan.global_batch_size
+    return dataset_size // batch_split.global_batch_size
 
 
 class MicroBatch(list):
@@ -50,7 +50,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def __init__(
         self,
         dataset_size: int,
-        plan: BatchPlan,
+        batch_split: BatchSplit,
         total_steps: int,
         *,
         seed: int = 0,
@@ -58,9 +58,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         rank: int = 0,
         start_step: int = 0,
     ) -> None:
-        self._steps_per_epoch = steps_per_epoch(dataset_size, plan)
+        self._steps_per_epoch = steps_per_epoch(dataset_size, batch_split)
         self.dataset_size = dataset_size
-        self.plan = plan
+        self.batch_split = batch_split
         self.total_steps = total_steps
         self.seed = seed
         self.shuffle = shuffle
@@ -83,16 +83,16 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def global_batch(self, step: int) -> list[int]:
         """All indices of global step ``step`` (every rank's share)."""
         epoch, position = divmod(step, self._steps_per_epoch)
-        size = self.plan.global_batch_size
+        size = self.batch_split.global_batch_size
         return self.epoch_order(epoch)[position * size : (position + 1) * size]
 
     def __iter__(self) -> Iterator[list[int]]:
-        share = self.plan.per_rank_batch_size
-        micro = self.plan.micro_batch_size
+        share = self.batch_split.per_rank_batch_size
+        micro = self.batch_split.micro_batch_size
         for step in range(self.start_step, self.total_steps):
             mine = self.global_batch(step)[self.rank * share : (self.rank + 1) * share]
             for number, start in enumerate(range(0, share, micro)):
                 yield MicroBatch(mine[start : start + micro], (step, self.rank, number))
 
     def __len__(self) -> int:
-        return max(self.total_steps - self.start_step, 0) * self.plan.accumulation_steps
+        return max(self.total_steps - self.start_step, 0) * self.batch_split.accumulation_steps

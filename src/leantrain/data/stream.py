@@ -24,8 +24,8 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
-from leantrain.batching import BatchPlan
 from leantrain.errors import DataError, TaskError
+from leantrain.step.batching import BatchSplit
 
 
 def stream_length(dataset: IterableDataset) -> int | None:
@@ -68,14 +68,14 @@ class StreamShard(IterableDataset):
         self,
         dataset: IterableDataset,
         name: str,
-        plan: BatchPlan,
+        batch_split: BatchSplit,
         total_steps: int,
         rank: int = 0,
         start_step: int = 0,
     ) -> None:
         self.dataset = dataset
         self.name = name
-        self.plan = plan
+        self.batch_split = batch_split
         self.total_steps = total_steps
         self.rank = rank
         self.start_step = start_step
@@ -83,11 +83,11 @@ class StreamShard(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         worker, workers = _worker()
-        plan = self.plan
-        first = self.rank * plan.per_rank_batch_size
-        mine = range(first, first + plan.per_rank_batch_size)
+        batch_split = self.batch_split
+        first = self.rank * batch_split.per_rank_batch_size
+        mine = range(first, first + batch_split.per_rank_batch_size)
         step, epoch = 0, 0
-        epoch_steps = None if self.length is None else self.length // plan.global_batch_size
+        epoch_steps = None if self.length is None else self.length // batch_split.global_batch_size
         if epoch_steps:  # skip whole epochs without reading them
             epoch = self.start_step // epoch_steps
             step = epoch * epoch_steps
@@ -95,13 +95,13 @@ class StreamShard(IterableDataset):
             steps_before = step
             pending: dict[int, list[Any]] = {}  # micro-batch number in this step -> items
             for position, item in _items(self.dataset, self.name, epoch):
-                offset = position % plan.global_batch_size
+                offset = position % batch_split.global_batch_size
                 if step >= self.start_step and offset in mine:
-                    micro = (offset - first) // plan.micro_batch_size
-                    number = (step - self.start_step) * plan.accumulation_steps + micro
+                    micro = (offset - first) // batch_split.micro_batch_size
+                    number = (step - self.start_step) * batch_split.accumulation_steps + micro
                     if number % workers == worker:
                         pending.setdefault(micro, []).append(item)
-                if offset == plan.global_batch_size - 1:  # the global batch is complete
+                if offset == batch_split.global_batch_size - 1:  # the global batch is complete
                     for micro in sorted(pending):
                         yield default_collate(pending[micro])
                     pending = {}
@@ -110,7 +110,8 @@ class StreamShard(IterableDataset):
                         return
             if step == steps_before:
                 raise DataError(
-                    f"{self.name} yielded fewer items than one global batch ({plan.global_batch_size}) "
+                    f"{self.name} yielded fewer items than one global batch "
+                    f"({batch_split.global_batch_size}) "
                     f"in epoch {epoch}"
                 )
             epoch += 1

@@ -19,7 +19,8 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from leantrain.diagnose.syncs import HostSync, RetainedGraph
-from leantrain.memory.accountant import MemoryBreakdown, format_bytes
+from leantrain.memory.accountant import MemoryBreakdown
+from leantrain.units import format_bytes
 
 # A verdict names a bottleneck that takes at least this share of the step.
 BOTTLENECK_SHARE = 0.3
@@ -41,6 +42,7 @@ class RunFacts:
 
     device_type: str = "cpu"
     strategy: str = "single"
+    strategy_caveat: tuple[str, str, str, str] | None = None  # title, why, change, gain (Strategy.caveat)
     precision: str = "32"
     micro_batch_size: int = 1
     accumulation_steps: int = 1
@@ -335,18 +337,12 @@ def all_reduce_every_micro_batch(facts: RunFacts, m: Measurements) -> list[Advic
     ]
 
 
-def data_parallel_wrapper(facts: RunFacts, m: Measurements) -> list[Advice]:
-    if facts.strategy != "dp":
+def strategy_caveat(facts: RunFacts, m: Measurements) -> list[Advice]:
+    """The known cost of the run's strategy, as the strategy itself states it."""
+    if facts.strategy_caveat is None:
         return []
-    return [
-        Advice(
-            "use DistributedDataParallel instead of DataParallel",
-            "strategy dp replicates the model and scatters the inputs from one process every step",
-            "leantrain launch --nproc-per-node N fit --strategy ddp ...",
-            "one process per GPU, only gradients communicated, overlapped with backward",
-            tier=1,
-        )
-    ]
+    title, why, change, gain = facts.strategy_caveat
+    return [Advice(title, why, change, gain, tier=1)]
 
 
 def communication(facts: RunFacts, m: Measurements) -> list[Advice]:
@@ -459,7 +455,7 @@ RULES: tuple[Callable[[RunFacts, Measurements], list[Advice]], ...] = (
     pin_memory_off,
     workers_restart_every_epoch,
     all_reduce_every_micro_batch,
-    data_parallel_wrapper,
+    strategy_caveat,
     micro_batch_far_below_fit,
     cache_items,
     communication,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
+from leantrain.cluster import detect
 from leantrain.config import TrainConfig
 from leantrain.data.cache import items_repeat
 from leantrain.data.workers import auto_workers, available_cpus
@@ -26,10 +27,11 @@ from leantrain.diagnose.advice import Advice, Measurements, RunFacts, advise, ve
 from leantrain.diagnose.flops import PeakFlops, compute_dtype, mfu, peak_flops
 from leantrain.diagnose.probe import Schedule, StepProbe
 from leantrain.diagnose.syncs import HostSync, RetainedGraph
-from leantrain.memory.accountant import MemoryBreakdown, parse_bytes
-from leantrain.parallel.env import detect
+from leantrain.memory.accountant import MemoryBreakdown
 from leantrain.runtime import resolve_device
+from leantrain.strategies.registry import strategy_class
 from leantrain.trainer import FitResult, Trainer
+from leantrain.units import parse_bytes
 
 DEFAULT_STEPS = 20
 DEFAULT_WARMUP = 5
@@ -186,6 +188,7 @@ def _facts(task: Any, cfg: TrainConfig, result: FitResult, device: torch.device,
     return RunFacts(
         device_type=device.type,
         strategy=result.strategy,
+        strategy_caveat=strategy_class(result.strategy).caveat,
         precision=result.precision,
         micro_batch_size=result.micro_batch_size,
         accumulation_steps=result.accumulation_steps,

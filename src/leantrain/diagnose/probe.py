@@ -8,8 +8,9 @@
 4. optionally **traced** steps under ``torch.profiler``.
 
 The probe plugs into the Trainer through its ``Instruments`` seam (it wraps the precision,
-the loss function, the loader and the batches when they are built) and its ``on_step``
-callback (the step boundaries).
+the loss function, the loader and the batches when they are built, and hooks the strategy's
+gradient all-reduce through ``register_comm_hook``) and its ``on_step`` callback (the step
+boundaries).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
 from leantrain.diagnose.syncs import HostSyncs, RetainedGraphs
@@ -67,10 +67,8 @@ class StepProbe:
     def precision(self, precision: Any) -> Any:
         return _TimedPrecision(precision, self)
 
-    def parallel(self, plan: Any) -> Any:
-        if isinstance(plan.module, DistributedDataParallel):
-            plan.module.register_comm_hook(None, self._timed_all_reduce)
-        return plan
+    def strategy(self, strategy: Any) -> None:
+        strategy.register_comm_hook(self._timed_all_reduce)  # DDP's all-reduce; others have none
 
     def loss(self, loss_fn: Any) -> Any:
         timer = self.timer

@@ -19,7 +19,7 @@ from rich.table import Table
 from leantrain.diagnose.doctor import Diagnosis
 from leantrain.diagnose.timer import PHASES
 from leantrain.files import atomic_write
-from leantrain.memory.accountant import format_bytes
+from leantrain.units import format_bytes
 
 PHASE_COLOURS = {
     "data": "#d62728",

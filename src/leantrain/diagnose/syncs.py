@@ -39,13 +39,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-import leantrain
-
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STDLIB_DIRS = tuple(
     {os.path.realpath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "platstdlib")}
 )
-_LEANTRAIN_DIR = os.path.dirname(leantrain.__file__) + os.sep
+# This file's package's parent: leantrain itself (importing the package from here would be a cycle).
+_LEANTRAIN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # The built-in examples are tasks, i.e. user code, even though they ship with leantrain.
 _EXAMPLES_DIR = os.path.join(_LEANTRAIN_DIR, "examples") + os.sep
 _THIS_FILE = os.path.abspath(__file__)

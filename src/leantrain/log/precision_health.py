@@ -1,6 +1,6 @@
 """Steps that made no update, the fp16 loss scale, gradient underflow: counted, logged, warned about.
 
-The Trainer reports every skipped step here and asks for the metrics at each log point;
+The run reports every skipped step here and asks for the metrics at each log point;
 each warning is given once per run, through ``warn`` (a ``LeantrainWarning`` on rank 0).
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from leantrain.batching import StepStatus
+from leantrain.step.accumulator import StepStatus
 
 # Warn when this share of a log window's steps made no update, or of fp16 gradient values underflows.
 SKIPPED_SHARE_WARNING = 0.25

@@ -1,7 +1,7 @@
 """Micro-batches that fit: the search before training, and the budget that CPU runs enforce.
 
 Changing the micro-batch never changes the optimisation: the global batch stays, only its
-split into micro-batches x accumulation changes (see ``batching.py``). So leantrain may
+split into micro-batches x accumulation changes (see ``step/accumulator.py``). So leantrain may
 pick the micro-batch for the user (``--micro-batch-size auto``) and shrink it when a step
 runs out of memory.
 
@@ -24,16 +24,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import default_collate
 
-from leantrain.batching import BatchPlan
 from leantrain.checkpoint import capture_rng, restore_rng
+from leantrain.cluster import ClusterEnv
 from leantrain.config import TrainConfig
 from leantrain.data.loader import move_to_device
 from leantrain.errors import LeantrainError
-from leantrain.memory.accountant import SavedActivations, format_bytes, parse_bytes
-from leantrain.memory.plan import first_items, measure
-from leantrain.parallel.env import ClusterEnv
-from leantrain.precision import Precision
+from leantrain.memory.accountant import SavedActivations
+from leantrain.memory.estimate import first_items, measure
+from leantrain.step.batching import BatchSplit
+from leantrain.step.precision import Precision
 from leantrain.task import LossSum
+from leantrain.units import format_bytes, parse_bytes
 
 
 def budgeted(
@@ -166,21 +167,21 @@ class MicroBatchSizer:
         """Whether any rank ran out of memory in this step (one all-reduce in several processes)."""
         if not self.env.distributed:
             return ran_out
-        # The process group directly, not the parallel plan's: the plan's DDP wrapper may be
+        # The process group directly, not the parallel batch_split's: the batch_split's DDP wrapper may be
         # replaced after an error, and nothing may keep the old one alive.
         flag = torch.tensor([1.0 if ran_out else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
-    def search(self, plan: BatchPlan, dataset: Any) -> int:
+    def search(self, batch_split: BatchSplit, dataset: Any) -> int:
         """The largest micro-batch whose forward and backward fit, the same on every rank."""
         if self.device.type != "cuda" and self.activation_limit is None:
             raise LeantrainError(
                 "micro_batch_size auto needs memory_budget on this device: nothing else says how much memory "
                 f"there is on {self.device.type}"
             )
-        choices = plan.micro_batch_choices()
-        items = first_items(dataset, plan.per_rank_batch_size)
+        choices = batch_split.micro_batch_choices()
+        items = first_items(dataset, batch_split.per_rank_batch_size)
         loss_fn = self.enforce_budget(self.task.loss)
         tried: list[int] = []
 
@@ -214,11 +215,12 @@ class MicroBatchSizer:
         self.notes.append(f"micro_batch_size auto: {size} (tried {', '.join(map(str, tried))})")
         return size
 
-    def smaller(self, plan: BatchPlan, step: int, reason: str) -> int:
-        size = next_smaller(plan.micro_batch_choices(), plan.micro_batch_size)
+    def smaller(self, batch_split: BatchSplit, step: int, reason: str) -> int:
+        size = next_smaller(batch_split.micro_batch_choices(), batch_split.micro_batch_size)
         if size is None:
             raise LeantrainError(
-                f"{reason} at step {step + 1} with a micro-batch of {plan.micro_batch_size}, the smallest: "
+                f"{reason} at step {step + 1} with a micro-batch of {batch_split.micro_batch_size}, "
+                "the smallest: "
                 "raise memory_budget, use 16-bit precision or activation_checkpointing"
             )
         return size

@@ -1,0 +1,195 @@
+"""From the task's datasets to the run's loaders: cache, sizes, worker count, sharding.
+
+The run (``run/loop.py``) calls these in order: :func:`load_train_data` (the cache, if asked for, and
+the epoch length), then, once the resume step is known, :func:`build_train_loader` and
+:func:`build_val_loader`. Every decision taken here is returned as a note for the run log.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
+
+from leantrain.cluster import ClusterEnv
+from leantrain.config import TrainConfig
+from leantrain.data.cache import CacheError, prepare_cache, task_source
+from leantrain.data.loader import build_loader, check_map_style
+from leantrain.data.sampler import GlobalBatchSampler
+from leantrain.data.stream import RankShard, StreamShard, check_stream_steps, stream_length
+from leantrain.data.workers import (
+    auto_prefetch,
+    auto_workers,
+    available_cpus,
+    tune_candidates,
+    tune_workers,
+)
+from leantrain.errors import TaskError
+from leantrain.step.batching import BatchSplit
+
+
+@dataclass
+class TrainData:
+    dataset: Dataset | IterableDataset
+    size: int | None  # samples per epoch; None for a stream without __len__
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def is_stream(self) -> bool:
+        return isinstance(self.dataset, IterableDataset)
+
+
+def _cached(
+    dataset: Any, task: Any, split: str, cfg: TrainConfig, env: ClusterEnv, notes: list[str]
+) -> Dataset:
+    """``dataset`` served from ``cfg.cache/split``; rank 0 builds it first when missing."""
+    assert cfg.cache is not None
+    if isinstance(dataset, IterableDataset):
+        raise CacheError(
+            f"cache {cfg.cache}: {split} data is an IterableDataset; a cache needs a map-style dataset"
+        )
+    folder = Path(cfg.cache) / split
+    workers = cfg.num_workers if isinstance(cfg.num_workers, int) else auto_workers(env.local_world_size)
+    if env.is_main:
+        cached, built = prepare_cache(dataset, folder, task_source(task, split), f"{split}_data", workers)
+        verb = f"built in {built['build_seconds']:.1f} s" if built else "read"
+        notes.append(
+            f"cache {folder}: {len(cached):,} {split} items, {cached.nbytes / 2**20:,.1f} MiB, {verb}"
+        )
+    if env.distributed:
+        dist.barrier()  # the others open it once rank 0 has finished it
+    if not env.is_main:
+        cached, _ = prepare_cache(
+            dataset, folder, task_source(task, split), f"{split}_data", workers, build=False
+        )
+    return cached
+
+
+def load_train_data(task: Any, cfg: TrainConfig, env: ClusterEnv) -> TrainData:
+    notes: list[str] = []
+    dataset = task.train_data()
+    if cfg.cache is not None:
+        dataset = _cached(dataset, task, "train", cfg, env, notes)
+    if isinstance(dataset, IterableDataset):
+        check_stream_steps(dataset, "train_data", cfg.max_steps)
+        size = stream_length(dataset)
+        if size is None and cfg.max_epochs is not None:
+            raise TaskError(
+                "train_data is an IterableDataset without __len__: max_epochs needs a known length"
+            )
+        return TrainData(dataset, size, notes)
+    return TrainData(dataset, check_map_style(dataset, "train_data"), notes)
+
+
+def _workers(
+    cfg: TrainConfig,
+    env: ClusterEnv,
+    batch_split: BatchSplit,
+    data: TrainData,
+    sampler: GlobalBatchSampler | None,
+) -> tuple[int, int | None]:
+    """(workers, prefetch factor) for the config's num_workers: a number, auto or tune."""
+    choice = cfg.num_workers
+    if isinstance(choice, int):
+        return choice, cfg.prefetch_factor
+    cpus = available_cpus()
+    workers = auto_workers(env.local_world_size, cpus)
+    if choice == "auto" and cfg.cache is not None:
+        # Measured (benchmarks/results/data.md): from the cache an item costs microseconds, and
+        # handing batches over from worker processes costs more than loading them in place.
+        data.notes.append("num_workers auto: 0 with the cache (items load at memory speed)")
+        return 0, cfg.prefetch_factor
+    if choice == "tune" and data.is_stream:
+        data.notes.append(f"num_workers tune measures map-style data only; auto chose {workers}")
+    elif choice == "tune" and sampler is not None:
+        batches = list(itertools.islice(iter(sampler), 64))
+
+        def trial_loader(count: int, micro_batches: list[list[int]]) -> DataLoader:
+            prefetch = auto_prefetch(count, batch_split.accumulation_steps) if count else None
+            return build_loader(data.dataset, "train_data", batch_sampler=micro_batches, num_workers=count,
+                                prefetch_factor=prefetch, seed=cfg.seed)  # fmt: skip
+
+        result = tune_workers(trial_loader, batches, tune_candidates(cpus, env.local_world_size))
+        if result is None:
+            data.notes.append(
+                f"num_workers tune: too few micro-batches in this run to measure; auto chose {workers}"
+            )
+        else:
+            workers = result.workers
+            data.notes.append(result.report())
+    else:
+        data.notes.append(f"num_workers auto: {workers} ({cpus} CPUs for {env.local_world_size} process(es))")
+    prefetch = cfg.prefetch_factor or (
+        auto_prefetch(workers, batch_split.accumulation_steps) if workers else None
+    )
+    return workers, prefetch
+
+
+def build_train_loader(
+    data: TrainData,
+    cfg: TrainConfig,
+    env: ClusterEnv,
+    batch_split: BatchSplit,
+    total_steps: int,
+    start_step: int,
+    pin_memory: bool,
+) -> tuple[DataLoader, int, int | None]:
+    """The training loader from ``start_step`` on; returns (loader, workers, prefetch factor)."""
+    sampler = None
+    if not data.is_stream:
+        assert data.size is not None
+        sampler = GlobalBatchSampler(
+            data.size,
+            batch_split,
+            total_steps,
+            seed=cfg.seed,
+            shuffle=cfg.shuffle,
+            rank=env.rank,
+            start_step=start_step,
+        )
+    workers, prefetch = _workers(cfg, env, batch_split, data, sampler)
+    options = dict(num_workers=workers, pin_memory=pin_memory, prefetch_factor=prefetch, seed=cfg.seed)
+    if sampler is not None:
+        return build_loader(data.dataset, "train_data", batch_sampler=sampler, **options), workers, prefetch
+    stream = StreamShard(data.dataset, "train_data", batch_split, total_steps, env.rank, start_step)  # type: ignore[arg-type]
+    return DataLoader(stream, batch_size=None, **_stream_options(options)), workers, prefetch
+
+
+def _stream_options(options: dict[str, Any]) -> dict[str, Any]:
+    workers = options["num_workers"]
+    return dict(
+        num_workers=workers,
+        pin_memory=options["pin_memory"],
+        prefetch_factor=options["prefetch_factor"],
+        persistent_workers=workers > 0,
+    )
+
+
+def build_val_loader(
+    task: Any,
+    cfg: TrainConfig,
+    env: ClusterEnv,
+    batch_split: BatchSplit,
+    workers: int,
+    prefetch: int | None,
+    pin: bool,
+    notes: list[str],
+) -> DataLoader | None:
+    """Validation data, each rank taking every world_size-th sample, in micro-batches."""
+    val_fn = getattr(task, "val_data", None)
+    val_data = val_fn() if callable(val_fn) else None
+    if val_data is None:
+        return None
+    if cfg.cache is not None:
+        val_data = _cached(val_data, task, "val", cfg, env, notes)
+    options = dict(num_workers=workers, pin_memory=pin, prefetch_factor=prefetch, seed=cfg.seed)
+    if isinstance(val_data, IterableDataset):
+        shard = RankShard(val_data, "val_data", env.rank, env.world_size)
+        return DataLoader(shard, batch_size=batch_split.micro_batch_size, **_stream_options(options))
+    size = check_map_style(val_data, "val_data")
+    share = Subset(val_data, range(env.rank, size, env.world_size)) if env.distributed else val_data
+    return build_loader(share, "val_data", batch_size=batch_split.micro_batch_size, **options)

@@ -1,0 +1,1 @@
+"""Starting several processes: ``leantrain launch`` (torchrun) and ``leantrain slurm`` (sbatch)."""

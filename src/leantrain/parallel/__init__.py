@@ -1,1 +1,0 @@
-"""Where the work runs: the cluster environment, and the parallel plan applied to the model."""

@@ -1,0 +1,70 @@
+"""How a run is watched: callbacks (``on_step``, ``on_log``) and the doctor's ``Instruments`` seam."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from leantrain.step.accumulator import StepStatus
+from leantrain.step.precision import Precision
+from leantrain.strategies.base import Strategy
+
+
+class StepStats(NamedTuple):
+    step: int  # optimizer steps completed (a skipped step counts: its batch was used)
+    status: StepStatus  # STEPPED, or why the update was skipped
+    grad_norm: torch.Tensor | None  # on the device: reading it is a host sync
+    grad_underflow_share: torch.Tensor | None = None  # fp16 only, at log points
+
+    @property
+    def stepped(self) -> bool:
+        return self.status is StepStatus.STEPPED
+
+
+class Callback(Protocol):
+    """Extension point: both methods are optional."""
+
+    def on_step(self, stats: StepStats) -> None: ...
+
+    def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+
+class Instruments(Protocol):
+    """Measurement seam (``leantrain doctor``): wraps the run's pieces once, when they are built.
+
+    Each method returns its argument or a wrapper with the same interface; the loop never
+    asks whether it is measured. A plain run uses ``NoInstruments``, which wraps nothing.
+    """
+
+    def precision(self, precision: Precision) -> Precision: ...
+
+    def strategy(self, strategy: Strategy) -> None:
+        """Hook into the strategy once it is built (the doctor times DDP's all-reduce)."""
+        ...
+
+    def loss(self, loss_fn: Any) -> Any: ...
+
+    def loader(self, batches: Iterable[Any]) -> Iterable[Any]: ...
+
+    def batches(self, batches: Iterator[Any]) -> Iterator[Any]: ...
+
+
+class NoInstruments:
+    """Measures nothing: every piece is used as it is."""
+
+    def precision(self, precision: Precision) -> Precision:
+        return precision
+
+    def strategy(self, strategy: Strategy) -> None:
+        pass
+
+    def loss(self, loss_fn: Any) -> Any:
+        return loss_fn
+
+    def loader(self, batches: Iterable[Any]) -> Iterable[Any]:
+        return batches
+
+    def batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        return batches

@@ -1,0 +1,52 @@
+"""``--strategy ddp``: ``DistributedDataParallel``, one process per device, gradients all-reduced in
+backward, overlapped with it."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from leantrain.strategies.base import Example
+from leantrain.strategies.process_group import Collectives
+
+
+class Distributed(Collectives):
+    name = "ddp"
+    summary = "DistributedDataParallel: one process per device, a full replica in each"
+
+    def wrap(self, model: nn.Module, example: Example | None) -> None:
+        self.model = model
+        self._hook: Callable[..., Any] | None = None
+        self.module = self._wrapped()
+
+    def _wrapped(self) -> DistributedDataParallel:
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # Gradients as views into the all-reduce buckets: no copy between them after each
+        # all-reduce, and one gradient-sized buffer less.
+        module = DistributedDataParallel(self.model, device_ids=device_ids, gradient_as_bucket_view=True)
+        if self._hook is not None:
+            module.register_comm_hook(None, self._hook)
+        return module
+
+    def reset_after_out_of_memory(self) -> None:
+        # The reducer expected the abandoned step's backward; a fresh wrapper (every rank makes
+        # one: they all agreed on the error) starts clean. The weights are equal on every rank,
+        # so its broadcast of rank 0's changes nothing. The old wrapper's reducer still hooks
+        # the parameters: it must be gone first.
+        self.module = self.model
+        gc.collect()
+        self.module = self._wrapped()
+
+    def register_comm_hook(self, hook: Callable[..., Any]) -> None:
+        self._hook = hook
+        self.module.register_comm_hook(None, hook)
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        # Gradients of non-final micro-batches only accumulate locally; the all-reduce
+        # runs once, during the final micro-batch's backward.
+        return self.module.no_sync()  # type: ignore[operator]

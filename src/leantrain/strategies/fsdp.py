@@ -1,0 +1,100 @@
+"""``--strategy fsdp``: FSDP2 (``fully_shard``), parameters, gradients and optimizer state sharded.
+
+Each process keeps 1/world of every parameter (a ``DTensor`` shard), of its gradient and of
+the optimizer state. A block is gathered whole just before it runs and freed after, in
+forward and again in backward; gradients are reduce-scattered, each process keeping its
+shard. Units: every module of the ``shard_blocks`` classes (default: the model's repeated
+blocks, as for activation checkpointing), then the root for what is left.
+
+Precision: ``32``, or ``bf16-mixed`` through FSDP's own mixed-precision policy: fp32 shards
+(the master weights), gathered and computed in bf16, gradients reduced in fp32.
+
+Accumulation: the reduce-scatter is skipped on non-final micro-batches
+(``set_requires_gradient_sync(False)``, the FSDP form of DDP's ``no_sync``); the gradients
+then accumulate *unsharded* until the final micro-batch, which costs one full gradient of
+memory per process during accumulation. That is FSDP's documented trade (communication
+once per step); with little memory, fewer accumulation steps and larger micro-batches
+avoid it.
+
+Checkpoints: ``torch.distributed.checkpoint`` writes each process's shards into a folder
+beside the checkpoint file (``step-N.dcp/``); rank 0 writes the file itself, with everything
+that is not sharded, last, so that a checkpoint file exists only when its shards are
+complete. The final weights are gathered to rank 0 for ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from leantrain.blocks import BlockPolicy, block_classes, matching_blocks
+from leantrain.config import TrainConfig
+from leantrain.step.precision import Precision
+from leantrain.strategies.base import Example
+from leantrain.strategies.process_group import Collectives
+from leantrain.strategies.sharded_state import ShardedState
+
+
+def shard_units(model: nn.Module, shard_blocks: str | None) -> list[tuple[str, nn.Module]]:
+    """The modules sharded as units before the root: the named classes, or the repeated blocks."""
+    if shard_blocks is None and not block_classes(model):
+        return []  # no repeated blocks: the root alone is one unit
+    if shard_blocks is None:
+        policy = BlockPolicy(field="shard_blocks")  # the repeated blocks
+    else:
+        policy = BlockPolicy.parse(shard_blocks, field="shard_blocks")
+    return matching_blocks(model, policy)
+
+
+class FullyShard(ShardedState, Collectives):
+    name = "fsdp"
+    summary = "FSDP2: parameters, gradients and optimizer state sharded over the processes"
+    uses = ("shard_blocks",)
+
+    @classmethod
+    def check(cls, cfg: TrainConfig, world_size: int | None) -> None:
+        if cfg.shard_blocks is not None:
+            BlockPolicy.parse(cfg.shard_blocks, field="shard_blocks")
+
+    def wrap(self, model: nn.Module, example: Example | None) -> None:
+        # torch.distributed.fsdp takes most of a second to import: only when used.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (torch.distributed.get_world_size(),))
+        if self.cfg.precision == "bf16-mixed":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy()
+        units = shard_units(model, self.cfg.shard_blocks)
+        self.units = [name for name, _ in units]
+        for _, block in units:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)  # the module itself becomes an FSDPModule
+        self.model = self.module = model
+
+    @contextmanager
+    def _without_gradient_sync(self) -> Iterator[None]:
+        self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def no_sync(self) -> Any:
+        return self._without_gradient_sync()
+
+    def optimizer_params(self, prepared: list[nn.Parameter]) -> list[nn.Parameter]:
+        # fully_shard replaced every parameter by a sharded one: the optimizer takes those.
+        return list(self.model.parameters())
+
+    def trained_weights(self, precision: Precision) -> dict[str, torch.Tensor]:
+        """The full weights, gathered on rank 0 (a collective: every rank calls it; others get {})."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)

@@ -1,0 +1,252 @@
+"""``--strategy pipeline --pipeline-stages N``: the model's consecutive parts on N processes.
+
+Stages: the model must be an ``nn.Sequential`` (its children run one after the other). Its
+repeated blocks are divided in order over the stages as for ``split``; the children around
+them go to the first and last stage. Each process keeps its own children and replaces the
+others by ``nn.Identity``, so parameter names stay those of the whole model (checkpoints and
+weights merge without renaming) and the rest of the model's memory is freed.
+
+A step: the accumulation micro-batches are the pipeline's micro-batches, run by
+``torch.distributed.pipelining`` (``ScheduleGPipe``: all forwards, then all backwards;
+``Schedule1F1B``: one forward, one backward once the pipe is full, fewer activations alive).
+The task's own ``loss(model, batch)`` is used on both ends, unchanged: on the first stage
+with a stand-in model that records what the loss passes to the model (the stage's inputs),
+on the last stage with one that returns the pipeline's output. So the loss must call the
+model exactly once per micro-batch (as under DDP).
+
+With ``dp`` pipelines side by side (hybrid, ``ParallelDims``), gradients are averaged over
+the data-parallel group after the schedule; loss normalisation is then the same as DDP's:
+a mean loss weighted by micro x dp / global, a ``LossSum`` divided by the global count (one
+all-reduce over all processes carries the count, the loss total and whether it is a sum,
+which only the last stage knows). Gradient clipping uses the norm over all stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from leantrain.config import TrainConfig
+from leantrain.errors import ConfigError, TaskError
+from leantrain.step.accumulator import LossFn, MicroLoss, TermFn
+from leantrain.step.batching import BatchSplit
+from leantrain.step.evaluation import LossAndMetrics, batch_size_of
+from leantrain.step.precision import Precision
+from leantrain.strategies.base import Example
+from leantrain.strategies.dims import ParallelDims
+from leantrain.strategies.pipeline.stages import (
+    Replay,
+    concatenate,
+    keep_stage,
+    model_inputs,
+    shared_names,
+    traced_pipe,
+)
+from leantrain.strategies.process_group import Collectives
+from leantrain.strategies.sharded_state import ShardedState
+from leantrain.task import LossSum
+
+
+class Pipeline(ShardedState, Collectives):
+    name = "pipeline"
+    summary = "the model's consecutive stages on pipeline_stages processes (pipelines side by side: hybrid)"
+    needs = ("pipeline_stages",)
+
+    @classmethod
+    def check(cls, cfg: TrainConfig, world_size: int | None) -> None:
+        if world_size and world_size > 1:  # one process: checked when launched
+            cls.dims(cfg, world_size)
+
+    @classmethod
+    def dims(cls, cfg: TrainConfig, world_size: int) -> ParallelDims:
+        return ParallelDims.of(world_size, cfg.pipeline_stages)
+
+    @classmethod
+    def check_task(cls, task: Any) -> None:
+        if callable(getattr(task, "augment", None)):
+            # The first and the last stage each run the task's loss: they would augment differently.
+            raise TaskError("task.augment is not supported under strategy pipeline yet")
+
+    def wrap(self, model: nn.Module, example: Example | None) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        rank = dist.get_rank()
+        self.stage_index = self.dims.stage(rank)
+        mesh = self.dims.mesh(self.device.type)
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.dims.pp - 1
+        # Tied weights (one tensor, several names) may end up in several stages, as the same
+        # tensor or as copies: their gradients are summed over the stages after each schedule.
+        self.tied = [(names, model.get_parameter(names[0]).shape) for names in shared_names(model)]
+        if isinstance(model, nn.Sequential):
+            keep_stage(model, self.stage_index, self.dims.pp)
+            self.stage = PipelineStage(
+                model, self.stage_index, self.dims.pp, self.device, group=self.pp_group
+            )
+        else:
+            if example is None:
+                raise ConfigError(
+                    "strategy", "pipeline", "needs example inputs to trace a model that is not a Sequential"
+                )
+            pipe = traced_pipe(model, self.dims.pp, model_inputs(example.loss_fn, example.batch()))
+            self.stage = pipe.build_stage(self.stage_index, self.device, group=self.pp_group)
+        # This process keeps its stage only: a traced stage is a new module, and the whole
+        # model, dropped by the caller, frees the other stages.
+        self.model = self.module = self.stage.submod
+
+    def optimizer_params(self, prepared: list[nn.Parameter]) -> list[nn.Parameter]:
+        return list(self.model.parameters())  # this stage's: the others are gone
+
+    def trained_weights(self, precision: Precision) -> dict[str, torch.Tensor]:
+        """The whole model's weights on rank 0: every stage's part, merged (a collective)."""
+        mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        for names, _ in self.tied:  # one name per tied tensor, as a single process exports it
+            for name in sorted(names)[1:]:
+                mine.pop(name, None)
+        merged: dict[str, torch.Tensor] = {}
+        for part in self.gather(mine if self.dims.pipeline(dist.get_rank()) == 0 else {}):
+            merged.update(part)
+        return merged if dist.get_rank() == 0 else {}
+
+    # -- one step: the accumulation micro-batches are the pipeline's micro-batches ----------
+
+    def prepare_step(self, split: BatchSplit, precision: Precision) -> None:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+        k = split.accumulation_steps
+        if self.cfg.pipeline_schedule == "1f1b" and k < self.dims.pp:
+            raise ConfigError(
+                "pipeline_schedule",
+                "1f1b",
+                f"needs at least as many micro-batches per step ({k}) as stages "
+                f"({self.dims.pp}): set a smaller micro_batch_size, or gpipe",
+            )
+        schedule_class = Schedule1F1B if self.cfg.pipeline_schedule == "1f1b" else ScheduleGPipe
+        self.split, self.precision = split, precision
+        self.schedule = schedule_class(
+            self.stage, n_microbatches=k, loss_fn=self._last_stage_loss, scale_grads=False
+        )
+        self._micro: list[Any] = []
+        self._loss_fn: LossFn | None = None
+        self._term: TermFn | None = None
+        # Per micro-batch index (last stage): its loss. By index, not in call order: the schedule
+        # may call the loss once more at start-up.
+        self._results: dict[int, MicroLoss] = {}
+
+    def forward_backward(
+        self,
+        loss_fn: LossFn,
+        batches: Iterator[Any],
+        count: int,
+        term: TermFn,
+        precision: Precision,
+        before_last_backward: Callable[[], None],
+    ) -> list[MicroLoss]:
+        micro = [next(batches) for _ in range(count)]
+        before_last_backward()  # the schedule interleaves backwards: agree before any
+        self._term = term
+        self._run_schedule(micro, loss_fn, self.schedule.step)
+        return [self._results[index] for index in range(count)] if self.is_last else []
+
+    def _run_schedule(self, micro: list[Any], loss_fn: LossFn, run: Callable[..., Any]) -> None:
+        """Feed ``micro`` through ``run`` (the schedule's step or eval): inputs on the first stage,
+        micro-batch indices as the last stage's targets."""
+        self._micro, self._loss_fn, self._results = micro, loss_fn, {}
+        args: tuple = ()
+        kwargs: dict = {}
+        if self.is_first:
+            inputs = [model_inputs(loss_fn, batch) for batch in micro]
+            args = tuple(concatenate([a[i] for a, _ in inputs]) for i in range(len(inputs[0][0])))
+            kwargs = {key: concatenate([kw[key] for _, kw in inputs]) for key in inputs[0][1]}
+        with self.precision.autocast():
+            if self.is_last:
+                run(*args, target=torch.arange(len(micro)), **kwargs)
+            else:
+                run(*args, **kwargs)
+
+    def _last_stage_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: the task's loss of micro-batch ``index`` (a [1] tensor)."""
+        assert self._loss_fn is not None and self._term is not None
+        micro = int(index[0])
+        result = self._term(self._loss_fn(Replay(output), self._micro[micro]), micro)
+        self._results[micro] = result.after_backward()  # the schedule runs backward on the term
+        return result.term
+
+    def finish_gradients(self, params: list[torch.Tensor]) -> None:
+        self._sum_tied_gradients(params)
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.dims.dp > 1 and grads:
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.dims.dp
+            torch._foreach_copy_(grads, list(_unflatten_dense_tensors(flat, grads)))
+
+    def _sum_tied_gradients(self, params: list[torch.Tensor]) -> None:
+        """Each stage holding a tied weight (or a copy) gets the sum of every use's gradient."""
+        if not self.tied:
+            return
+        held = dict(self.model.named_parameters(remove_duplicate=False))
+        grad_dtype = next((p.dtype for p in params), torch.float32)
+        copies, sums = [], []
+        for names, shape in self.tied:
+            mine = list({id(held[n]): held[n] for n in names if n in held}.values())
+            grads = [p.grad for p in mine if p.grad is not None]
+            copies.append(mine)
+            sums.append(torch.stack(grads).sum(0) if grads else torch.zeros(shape, dtype=grad_dtype))
+        flat = _flatten_dense_tensors(sums)
+        dist.all_reduce(flat, group=self.pp_group)
+        for mine, total in zip(copies, _unflatten_dense_tensors(flat, sums), strict=True):
+            for parameter in mine:
+                parameter.grad = total.clone()
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of the whole model's gradient: each stage holds part of it."""
+        squares = torch.zeros((), dtype=torch.float64, device=self.comm_device)
+        if grads:
+            squares = torch.stack([g.double().pow(2).sum() for g in grads]).sum().to(self.comm_device)
+        dist.all_reduce(squares, group=self.pp_group)
+        return squares.sqrt()
+
+    def forward_only(
+        self, loss_and_metrics: LossAndMetrics, batches: Iterable[Any], precision: Precision
+    ) -> Iterator[tuple[Any, dict[str, Any], int]]:
+        """Validation through the pipeline, with the training step's schedule.
+
+        Every stage reads the same validation batches; they go through the schedule ``k`` at a
+        time (``k`` = the micro-batches of a training step: the stages were built for that
+        shape), and a last incomplete group is left out. The last stages yield the losses.
+        """
+        outputs: dict[int, tuple[Any, dict[str, Any]]] = {}  # by batch: once, however often called
+
+        def evaluated(model: nn.Module, batch: Any) -> Any:
+            outputs[id(batch)] = loss_and_metrics(model, batch)
+            return outputs[id(batch)][0]
+
+        self._term = _schedule_term
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            group: list[Any] = []
+            for batch in batches:
+                if batch_size_of(batch) != self.split.micro_batch_size:
+                    break  # the last, shorter batch: the stages' shapes are fixed
+                group.append(batch)
+                if len(group) == self.split.accumulation_steps:
+                    with torch.no_grad():
+                        self._run_schedule(group, evaluated, self.schedule.eval)
+                    for done in group if self.is_last else ():
+                        yield *outputs.pop(id(done)), batch_size_of(done)
+                    group = []
+        finally:
+            self.model.train(was_training)
+
+
+def _schedule_term(loss: Any, micro: int) -> MicroLoss:
+    """A validation loss as the schedule needs it: a tensor (nothing is weighted or logged)."""
+    value = loss.sum if isinstance(loss, LossSum) else loss
+    return MicroLoss(value, value, None, 0)

@@ -1,0 +1,68 @@
+"""The process group of a multi-process run, and the collectives every multi-process strategy shares."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from leantrain.cluster import ClusterEnv
+from leantrain.strategies.base import Strategy
+
+
+class Collectives(Strategy):
+    """A strategy of several processes (the process group is up): real collectives."""
+
+    multi_process: ClassVar[bool] = True
+
+    @property
+    def comm_device(self) -> torch.device:
+        # NCCL reduces device tensors, gloo host ones.
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def any_rank(self, flag: bool) -> bool:
+        value = torch.tensor([1 if flag else 0], device=self.comm_device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def gather(self, value: Any) -> list[Any]:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+
+def init_process_group(env: ClusterEnv, device: torch.device) -> bool:
+    """Join the process group of a multi-process run; True when this call created it."""
+    if not env.distributed or dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = _restart_safe_agent_store(env)
+    if store is not None:
+        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size)
+        return True
+    # A bare SLURM task (no torchrun) starts its own store on rank 0.
+    init_method = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
+    dist.init_process_group(
+        backend=backend, init_method=init_method, rank=env.rank, world_size=env.world_size
+    )
+    return True
+
+
+def _restart_safe_agent_store(env: ClusterEnv) -> dist.Store | None:
+    """Under torchrun, the launcher's store, with keys kept apart for each restart of the group.
+
+    After an elastic restart, workers sometimes read the previous attempt's addresses from the
+    launcher's store and gloo fails (or hangs) connecting to processes that no longer exist.
+    A prefix per attempt (``TORCHELASTIC_RESTART_COUNT``) keeps each attempt to its own keys.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False)
+    return dist.PrefixStore(f"leantrain/attempt_{attempt}", store)

@@ -1,0 +1,77 @@
+"""Checkpoints of strategies whose processes hold different parts of the state (fsdp, pipeline).
+
+``torch.distributed.checkpoint`` (DCP) writes each process's part of the model and optimizer
+state into one folder, in parallel; state that several processes hold alike (data-parallel
+replicas) is written once. Keys are the module's own parameter names, so the parts of
+different processes do not collide, and a run resumes with each process reading its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from leantrain.checkpoint import check_shards
+from leantrain.errors import CheckpointError
+
+
+def _options() -> Any:
+    # torch.distributed.checkpoint takes most of a second to import: only when used.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Optimizer state keyed by parameter name ("state.<name>.<key>", "param_groups.<name>.<key>"):
+    # processes that hold different parameters (pipeline stages) then write different keys. Left
+    # nested, every process's "param_groups.0" would share one key, and only one would be kept.
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class ShardedState:
+    """Mixin for a strategy whose processes hold parts of the state (fsdp, pipeline).
+
+    ``state_module`` is what this process holds the state of. Such a strategy keeps fp32 parts
+    and computes in bf16 (FSDP2's mixed-precision policy), which stands in for the true 16-bit
+    modes' masters; and it cannot yet re-split the micro-batch of a running step.
+    """
+
+    sharded = True
+    adapts_micro_batch = False
+    precisions = ("32", "bf16-mixed")
+    precision_reason = "fp32 parameters computed in bf16 are what bf16-true would give"
+
+    @property
+    def state_module(self) -> nn.Module:
+        return self.model  # type: ignore[attr-defined]
+
+    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        """Every rank writes its part of the model and optimizer state into ``folder``."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.state_module, optimizer, options=_options())
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+
+    def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+        """Read the parts saved by ``save_sharded`` into the model and the optimizer."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        check_shards(checkpoint, folder)
+        model_state, optimizer_state = get_state_dict(self.state_module, optimizer, options=_options())
+        state = {"model": model_state, "optimizer": optimizer_state}
+        try:
+            dcp.load(state, checkpoint_id=str(folder))
+        except Exception as error:  # DCP raises its own CheckpointException and plain errors
+            reason = " ".join(str(error).split())[:300]
+            raise CheckpointError(
+                f"checkpoint {checkpoint}: cannot load its sharded state {folder}: {reason}"
+            ) from None
+        set_state_dict(
+            self.state_module,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=_options(),
+        )

@@ -1,0 +1,135 @@
+"""The sbatch script of `leantrain slurm`: its text, and its pre-emption logic run for real.
+
+SLURM is not installed here, so the last test runs the generated script with bash and
+stand-ins for ``srun`` (runs the command), ``scontrol`` (names the node, records the
+requeue) and ``scancel`` (absent, as when the step cannot be signalled by id): the
+script's own fallback then signals the job step directly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from leantrain.errors import LeantrainError
+from leantrain.launch.slurm import SlurmOptions, sbatch_script
+
+LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
+REPO = Path(__file__).parents[2]
+
+
+def test_dry_run_script_has_the_job_shape_and_the_requeue_logic():
+    options = SlurmOptions(nodes=2, gpus_per_node=4, partition="gpu", time="4:00:00", signal_seconds=300)
+    script = sbatch_script(options, ["--example", "charlm", "--out", "runs/lm"])
+    for line in [
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --cpus-per-task=32",
+        "#SBATCH --signal=B:USR1@300",
+        "#SBATCH --requeue",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=4:00:00",
+        "trap on_time_limit USR1",
+        'scontrol requeue "$SLURM_JOB_ID"',
+    ]:
+        assert line in script
+    assert f"{sys.executable} -m leantrain launch" in script
+    assert '--nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node 4' in script
+    assert "fit --example charlm --out runs/lm --resume auto &" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid bash
+
+
+def test_an_explicit_resume_is_kept():
+    script = sbatch_script(SlurmOptions(), ["--out", "x", "--resume", "x/checkpoints/step-00000010.pt"])
+    assert "--resume auto" not in script and "--resume x/checkpoints/step-00000010.pt" in script
+
+
+def test_the_run_folder_is_required():
+    with pytest.raises(LeantrainError, match="needs fit --out DIR"):
+        sbatch_script(SlurmOptions(), ["--example", "digits"])
+
+
+def test_cli_dry_run_prints_the_script_and_validates_fit_flags(tmp_path):
+    done = subprocess.run([LEANTRAIN, "slurm", "--nodes", "2", "--dry-run", "true", "fit", "--out", "r"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.startswith("#!/bin/bash")
+    bad = subprocess.run([LEANTRAIN, "slurm", "--dry-run", "true", "fit", "--out", "r", "--precision", "8"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "leantrain: error: invalid precision='8': must be one of 32, bf16-mixed, 16-mixed, bf16-true, 16-true"
+    )
+
+
+def fake_slurm_commands(folder: Path) -> None:
+    scripts = {
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n',
+        "scontrol": 'if [ "$1" = show ]; then echo localhost; else echo "$@" >> "$REQUEUE_LOG"; fi\n',
+    }
+    for name, body in scripts.items():
+        path = folder / name
+        path.write_text("#!/bin/bash\n" + body)
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_time_limit_signal_checkpoints_requeues_and_the_job_resumes_exactly(tmp_path):
+    fit = ["--task", "tests.distributed.tasks:slow_sum_task", "--global-batch-size", "16",
+           "--micro-batch-size", "4", "--max-steps", "40", "--checkpoint-every", "100",
+           "--log-every-n-steps", "1", "--progress", "plain", "--tensorboard", "false"]  # fmt: skip
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_slurm_commands(bin_dir)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",  # two gloo ranks on the CPU, also on a machine with one GPU
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_JOB_NUM_NODES": "1",
+        "REQUEUE_LOG": str(tmp_path / "requeue.log"),
+    }
+    script = tmp_path / "job.sbatch"
+    script.write_text(sbatch_script(SlurmOptions(gpus_per_node=2, port=free_port()), [*fit, "--out", "run"]))
+    job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert job.stdout is not None
+    for line in job.stdout:
+        if line.startswith("step 8/"):
+            break
+    job.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@...` does
+    rest, stderr = job.communicate(timeout=240)
+    assert job.returncode == 0, stderr[-3000:]
+    assert "time limit near" in rest
+    assert (tmp_path / "requeue.log").read_text().split() == ["requeue", "4242"]
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert len(checkpoints) == 1 and checkpoints[0] < "step-00000040.pt"  # saved on the signal
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+    again = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )  # fmt: skip  (the requeued job)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed after step" in again.stdout
+    reference = tmp_path / "reference"
+    subprocess.run([LEANTRAIN, "launch", "--nproc-per-node", "2", "fit", *fit, "--out", str(reference)],
+                   cwd=tmp_path, env=env, check=True, capture_output=True, timeout=240)  # fmt: skip
+    expected = load_file(reference / "model.safetensors")
+    actual = load_file(tmp_path / "run" / "model.safetensors")
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)

@@ -1,0 +1,101 @@
+"""leantrain plan: a meta-device estimate that matches what a real CPU step saves."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import leantrain as lt
+from leantrain.examples.charlm import CharLMTask
+from leantrain.examples.digits import DigitsTask
+from leantrain.memory.estimate import candidate_micro_batches, estimate_memory
+from leantrain.units import parse_bytes
+
+LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
+
+
+def small_charlm() -> CharLMTask:
+    return CharLMTask(block=32, layers=2, width=64, heads=4, max_chars=60_000)
+
+
+TASKS = {"digits": DigitsTask, "charlm": small_charlm}
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("name", list(TASKS))
+def test_the_plan_matches_what_a_real_cpu_step_holds(fit, name, precision):
+    config = lt.TrainConfig(global_batch_size=16, precision=precision)
+    plan = estimate_memory(TASKS[name](), config)
+    assert [row.micro_batch_size for row in plan.rows] == [1, 2, 4, 8, 16]
+    for row in plan.rows[1::2]:  # micro-batches 2 and 8
+        real = fit(TASKS[name](), global_batch_size=16, micro_batch_size=row.micro_batch_size, max_steps=1,
+                   precision=precision)  # fmt: skip
+        assert abs(row.memory.activation_bytes - real.activation_bytes) <= 0.1 * real.activation_bytes
+        assert row.memory.params_bytes == real.params_bytes
+        assert row.memory.grads_bytes == real.grads_bytes
+        assert abs(row.memory.optimizer_bytes - real.optimizer_bytes) <= 0.01 * real.optimizer_bytes
+    activations = [row.memory.activation_bytes for row in plan.rows]
+    assert activations == sorted(activations) and activations[-1] > activations[0]
+
+
+def test_a_budget_gets_the_largest_micro_batch_that_fits_with_its_margin():
+    config = lt.TrainConfig(global_batch_size=16)
+    rows = estimate_memory(small_charlm(), config).rows
+    total = {row.micro_batch_size: row.memory.total_bytes for row in rows}
+    budget = int(total[8] / 0.9) + 1  # micro-batch 8 fits with the 10% margin, 16 does not
+    plan = estimate_memory(small_charlm(), config, budget=budget)
+    # Recomputation would fit 16, but that is not 4x larger: not worth a third more compute.
+    assert plan.recommended.micro_batch_size == 8 and plan.recommended.activation_checkpointing is None
+    assert [row.fits for row in plan.rows[:5]] == [True, True, True, True, False]
+
+
+def test_checkpointing_is_recommended_when_it_fits_a_micro_batch_four_times_larger():
+    config = lt.TrainConfig(global_batch_size=16)
+    rows = estimate_memory(small_charlm(), config).rows
+    budget = int(rows[0].memory.total_bytes / 0.9) + 1  # only micro-batch 1 fits without recomputation
+    plan = estimate_memory(small_charlm(), config, budget=budget)
+    assert plan.recommended.activation_checkpointing == "Block"
+    assert plan.recommended.micro_batch_size >= 4
+    nothing = estimate_memory(small_charlm(), config, budget=1024)
+    assert nothing.recommended is None and nothing.as_dict()["recommended_micro_batch_size"] is None
+
+
+def test_candidates_are_powers_of_two_dividing_the_batch_and_the_batch():
+    assert candidate_micro_batches(48) == [1, 2, 4, 8, 16, 48]
+    assert candidate_micro_batches(1) == [1]
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("24GiB", 24 * 2**30), ("16 GB", 16 * 10**9), ("512MiB", 512 * 2**20), ("100", 100),
+                        ("1.5KiB", 1536), ("lots", None), ("-1GB", None), ("3 parsecs", None)]
+)  # fmt: skip
+def test_sizes_are_read_with_their_units(text, value):
+    assert parse_bytes(text) == value
+
+
+def test_the_cli_prints_one_json_object_with_the_recommendation(tmp_path):
+    done = subprocess.run(
+        [LEANTRAIN, "plan", "--example", "digits", "--global-batch-size", "32", "--memory-budget", "8MiB",
+         "--json", "true"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes"):
+        assert isinstance(result[key], int) and result[key] > 0
+    assert result["total_bytes"] == sum(
+        result[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+    )
+    assert result["recommended_micro_batch_size"] == 32
+    bad = subprocess.run(
+        [LEANTRAIN, "plan", "--memory-budget", "lots"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2
+    assert (
+        bad.stderr.strip()
+        == "leantrain: error: invalid memory_budget='lots': must be a size such as 24GiB, 16GB or 512MiB"
+    )
