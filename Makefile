@@ -38,7 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/ddp.py
 	$(PY) benchmarks/precision.py
 	$(PY) benchmarks/data.py
-	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/recompute.py
 	$(PY) benchmarks/doctor.py
 	$(PY) benchmarks/parallelism.py
 

@@ -21,8 +21,8 @@ Three measurements, all with one intra-op thread (``torch.set_num_threads(1)``):
 3. ``leantrain plan``: ``estimate_memory(task, TrainConfig(...)).rows`` (a meta-device model, fake
    tensors) next to the measured bytes of every setting above.
 
-    python benchmarks/memory.py            # full run (about 5 min on 2 cores); writes results/memory.md
-    python benchmarks/memory.py --quick    # smoke run (about 1 min); prints the tables only
+    python benchmarks/recompute.py            # full run (about 5 min on 2 cores); writes results/recompute.md
+    python benchmarks/recompute.py --quick    # smoke run (about 1 min); prints the tables only
 """
 
 from __future__ import annotations
@@ -575,7 +575,8 @@ def render(res: Results, args: argparse.Namespace, load_before: str, minutes: fl
         )
     lines += [
         "",
-        f"Peak process memory: `python benchmarks/memory.py --rss-probe MICRO --rss-steps {args.rss_steps}` "
+        "Peak process memory: `python benchmarks/recompute.py --rss-probe MICRO --rss-steps "
+        f"{args.rss_steps}` "
         "in a fresh process per run: the task is built, an untimed 2-step `fit` on 2 samples pays "
         "torch's one-off first-step cost (about 100 MiB, whatever the batch), the high-water mark is "
         "reset (`/proc/self/clear_refs`), and the global batch trains "
