@@ -84,11 +84,14 @@ def metric_rows(run_dir) -> list[dict]:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_mid_epoch_is_bit_identical(tmp_path, workers):
     # 72 samples / 16 = 4 steps an epoch; a crash after step 9 resumes from the checkpoint of
-    # step 6 (mid-epoch 1), between two log points.
+    # step 5 (mid-epoch 1), between the log points of steps 3 and 6: the checkpoint holds the
+    # losses of steps 4 and 5, which the log of step 6 must still count.
     reference = train(tmp_path / "reference", num_workers=workers, checkpoint_every=2)
     with pytest.raises(KeyboardInterrupt):
-        train(tmp_path / "run", [StopAt(9)], num_workers=workers, checkpoint_every=3)
-    resumed = train(tmp_path / "run", num_workers=workers, checkpoint_every=3, resume="auto")
+        train(tmp_path / "run", [StopAt(9)], num_workers=workers, checkpoint_every=5)
+    saved_window = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000005.pt")["losses"]
+    assert saved_window["steps"] == [3, 3, 4, 4]  # steps 4 and 5 (0-based), two micro-batches each
+    resumed = train(tmp_path / "run", num_workers=workers, checkpoint_every=5, resume="auto")
     assert_same_parameters(reference.model, resumed.model)
     assert resumed.final_train_loss == reference.final_train_loss
     drop = {"samples_per_second"}  # timing differs, everything else is the same
@@ -127,6 +130,23 @@ def test_sigterm_saves_a_checkpoint_and_stops_cleanly(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is removed again
     resumed = train(tmp_path / "run", resume="auto")
     assert_same_parameters(reference.model, resumed.model)
+
+
+def test_checkpoint_every_never_writes_no_checkpoint_even_when_stopped(tmp_path):
+    class SendSigterm:
+        def on_step(self, stats: lt.StepStats) -> None:
+            if stats.step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    reference = train(tmp_path / "reference")
+    unsaved = train(tmp_path / "unsaved", checkpoint_every="never")
+    assert_same_parameters(reference.model, unsaved.model)  # training itself is unchanged
+    assert (unsaved.out_dir / "model.safetensors").is_file()
+    with pytest.raises(lt.RunInterrupted, match="no checkpoint was written") as caught:
+        train(tmp_path / "stopped", [SendSigterm()], checkpoint_every="never")
+    assert caught.value.step == 5 and caught.value.checkpoint is None
+    for run in ("unsaved", "stopped"):
+        assert not any((tmp_path / run / "checkpoints").glob("*")), run
 
 
 def test_resume_from_a_named_file_and_train_longer(tmp_path):

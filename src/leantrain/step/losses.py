@@ -1,16 +1,28 @@
 """Training loss kept on the device and read only at log points.
 
-Adding a micro-batch's loss is a list append of a detached tensor: no kernel, no host
-sync and no autograd graph kept alive. :meth:`LossTracker.read` is the one sync point,
-called every ``log_every_n_steps`` steps.
+The window since the last read lives in a few fixed buffers, not in one tensor per
+micro-batch: adding a loss copies it into a preallocated float64 slot (one small kernel,
+no host sync, no autograd graph kept), and the loss tensor itself is freed with its step.
+Many small tensors kept alive until the log point would fragment the host heap around
+the step's freed activations: the process's memory would climb between log points
+(measured in benchmarks/results/memory.md). :meth:`LossTracker.read` is the one sync
+point, called every ``log_every_n_steps`` steps.
 """
 
 from __future__ import annotations
 
+import math
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
 
 import torch
+
+# Entries a new window has room for; the buffers double when a window holds more
+# (a long log interval or many micro-batches): a handful of allocations in a whole run.
+_INITIAL_CAPACITY = 64
 
 
 @dataclass(frozen=True)
@@ -22,51 +34,85 @@ class LossWindow:
 
 
 class LossTracker:
+    """The micro-batch losses of the steps since the last read, in fixed device buffers.
+
+    Entry ``i`` is a mean loss over ``weight`` samples, or (``is_mean`` false) a LossSum's sum
+    and element count. Totals are kept as float64 (the cast is exact), in a device buffer;
+    weights given as Python ints stay on the host (no kernel), counts given as tensors go to
+    a second device buffer.
+    """
+
     def __init__(self) -> None:
-        self._steps: list[int] = []
-        self._totals: list[torch.Tensor] = []  # a mean loss, or a LossSum's sum
-        self._weights: list[torch.Tensor | int] = []  # samples of a mean, or the LossSum's count
+        self._size = 0  # entries in the window
+        self._totals: _Column | None = None  # on the loss's device
+        self._counts: _Column | None = None  # counts given as tensors; made at the first one
+        self._weights = array("d")  # per entry: an int weight, or NaN where the count is a tensor
         self._is_mean: list[bool] = []
+        self._step_starts: list[tuple[int, int]] = []  # (step, its first entry), one per step
 
     def add(self, step: int, total: torch.Tensor, weight: torch.Tensor | int, is_mean: bool) -> None:
         """A mean loss over ``weight`` samples, or (``is_mean=False``) a LossSum's sum and count."""
-        self._steps.append(step)
-        self._totals.append(total)
-        self._weights.append(weight)
+        if not self._step_starts or self._step_starts[-1][0] != step:
+            self._step_starts.append((step, self._size))
+        index = self._size
+        if self._totals is None:
+            self._totals = _Column(_INITIAL_CAPACITY, total.device)
+        elif index == len(self._totals):
+            self._totals = self._totals.doubled()
+            if self._counts is not None:
+                self._counts = self._counts.doubled()
+        # Detached in case a caller hands over a loss with its graph: the buffer must not join it.
+        self._totals.data[index] = total.detach() if total.requires_grad else total
+        if isinstance(weight, torch.Tensor):
+            if self._counts is None:
+                self._counts = _Column(len(self._totals), self._totals.data.device)
+            self._counts.data[index] = weight
+            self._weights.append(math.nan)
+        else:
+            self._weights.append(weight)
         self._is_mean.append(is_mean)
-
-    def extend(self, other: LossTracker) -> None:
-        """Append ``other``'s entries after this tracker's."""
-        for column, more in zip(
-            (self._steps, self._totals, self._weights, self._is_mean),
-            (other._steps, other._totals, other._weights, other._is_mean),
-            strict=True,
-        ):
-            column.extend(more)
+        self._size = index + 1
 
     def discard_step(self, step: int) -> None:
         """Forget the losses of ``step`` (the newest), e.g. a step dropped for a non-finite loss."""
-        while self._steps and self._steps[-1] == step:
-            for column in (self._steps, self._totals, self._weights, self._is_mean):
-                column.pop()
+        if self._step_starts and self._step_starts[-1][0] == step:
+            _, start = self._step_starts.pop()
+            self._truncate(start)
 
-    def __len__(self) -> int:
-        return len(self._steps)
+    def _truncate(self, size: int) -> None:
+        self._size = size
+        del self._weights[size:]
+        del self._is_mean[size:]
 
-    def state_dict(self) -> dict[str, list]:
+    def state_dict(self) -> dict[str, Any]:
         """The losses not yet logged (a checkpoint between log points keeps them)."""
-        return {
-            "steps": list(self._steps),
-            "totals": [t.detach() for t in self._totals],
-            "weights": [w.detach() if isinstance(w, torch.Tensor) else w for w in self._weights],
-            "is_mean": list(self._is_mean),
-        }
+        steps: list[int] = []
+        for (step, start), (_, end) in pairwise([*self._step_starts, (-1, self._size)]):
+            steps.extend([step] * (end - start))
+        totals, weights = self._entries()
+        is_mean = list(self._is_mean)
+        return {"steps": steps, "totals": totals.cpu(), "weights": weights.cpu(), "is_mean": is_mean}
 
-    def load_state_dict(self, state: dict[str, list], device: torch.device) -> None:
-        self._steps = list(state["steps"])
-        self._totals = [t.to(device) for t in state["totals"]]
-        self._weights = [w.to(device) if isinstance(w, torch.Tensor) else w for w in state["weights"]]
-        self._is_mean = list(state["is_mean"])
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        """Restore a saved window (also the per-entry lists that earlier versions saved)."""
+        self.__init__()  # type: ignore[misc]
+        totals, weights = state["totals"], state["weights"]
+        for i, (step, is_mean) in enumerate(zip(state["steps"], state["is_mean"], strict=True)):
+            weight = weights[i]
+            if isinstance(weight, torch.Tensor):
+                weight = weight.to(device)  # a float64 tensor: the same value as the int it was
+            self.add(step, torch.as_tensor(totals[i]).to(device), weight, is_mean)
+
+    def _entries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window's totals and weights, float64 on the device (weights: the host ints, and
+        the device counts where the host column holds NaN)."""
+        if self._totals is None:
+            return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
+        totals = self._totals.data[: self._size]
+        weights = torch.tensor(self._weights, dtype=torch.float64, device=totals.device)
+        if self._counts is not None:
+            weights = torch.where(weights.isnan(), self._counts.data[: self._size], weights)
+        return totals, weights
 
     def read(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LossWindow | None:
         """Reduce and clear the window (a host sync); None when nothing was added.
@@ -74,31 +120,34 @@ class LossTracker:
         With ``all_reduce_sum``, every rank's losses are summed first, so the window is the
         loss of the whole global batch. Every rank adds the same number of entries.
         """
-        if not self._steps:
+        if not self._size:
             return None
-        device = self._totals[0].device
-        is_mean = torch.tensor(self._is_mean, device=device)
-        totals = _stack_float64(self._totals)
-        if all(isinstance(w, int) for w in self._weights):
-            weights = torch.tensor(self._weights, dtype=torch.float64, device=device)
-        else:
-            weights = _stack_float64([torch.as_tensor(w, device=device) for w in self._weights])
+        totals, weights = self._entries()
+        is_mean = torch.tensor(self._is_mean, device=totals.device)
         both = torch.stack([torch.where(is_mean, totals * weights, totals), weights])
         if all_reduce_sum is not None:
             both = all_reduce_sum(both)
         sums, weights = both.cpu()  # the one host sync
-        steps = torch.tensor(self._steps)
-        last = steps == steps[-1]
+        last = torch.arange(self._size) >= self._step_starts[-1][1]
         window = LossWindow(
             mean_loss=float(sums.sum() / weights.sum().clamp(min=1)),
             last_step_loss=float(sums[last].sum() / weights[last].sum().clamp(min=1)),
         )
-        self._steps, self._totals, self._weights, self._is_mean = [], [], [], []
+        self._step_starts.clear()
+        self._truncate(0)
         return window
 
 
-def _stack_float64(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One stack then one cast when the dtypes agree (the usual case): two kernels, not 2n."""
-    if len({t.dtype for t in tensors}) == 1:
-        return torch.stack(tensors).to(torch.float64)
-    return torch.stack([t.to(torch.float64) for t in tensors])
+class _Column:
+    """A float64 buffer on the device, written one entry at a time; grown by doubling."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.data = torch.empty(capacity, dtype=torch.float64, device=device)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def doubled(self) -> _Column:
+        grown = _Column(2 * len(self), self.data.device)
+        grown.data[: len(self)] = self.data
+        return grown
