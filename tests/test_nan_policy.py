@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 import leantrain as lt
 from leantrain.checkpoint import load_checkpoint
 from leantrain.step.accumulator import StepStatus
-from tests.conftest import PoisonedSteps, RegressionTask
+from tests.conftest import PoisonedSteps, RegressionTask, quiet_config
 
 
 class Weights:
@@ -57,6 +57,14 @@ def test_a_run_stopped_by_nan_continues_from_the_last_good_state(fit, tmp_path):
     for name, value in clean.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], value), name
     assert resumed.final_train_loss == clean.final_train_loss
+
+
+def test_stop_without_checkpoints_says_nothing_was_saved(tmp_path):
+    config = quiet_config(tmp_path / "run", checkpoint_every="never", **STEPS)
+    with pytest.raises(lt.NonFiniteLossError, match=r"step 3; nothing was saved") as error:
+        lt.Trainer(config).fit(PoisonedSteps({3}))
+    assert error.value.checkpoint is None
+    assert not any((tmp_path / "run" / "checkpoints").glob("*"))
 
 
 def test_stop_on_the_first_step_saves_the_initial_state(fit):

@@ -26,6 +26,7 @@ Precision = Literal["32", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 NanPolicy = Literal["stop", "skip"]
 WorkerChoice = Literal["auto", "tune"]
 Auto = Literal["auto"]
+Never = Literal["never"]
 LrScaling = Literal["none", "linear", "sqrt"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
 ProgressMode = Literal["auto", "rich", "plain", "none"]
@@ -170,8 +171,11 @@ class TrainConfig:
     )
     tensorboard: bool = _field(True, "logging", "write TensorBoard event files into the run folder")
     # checkpointing
-    checkpoint_every: int | None = _field(
-        None, "checkpointing", "save a checkpoint every N steps; null: only at the end and on SIGTERM/SIGUSR1"
+    checkpoint_every: int | Never | None = _field(
+        None,
+        "checkpointing",
+        "save a checkpoint every N steps; null: only at the end and on SIGTERM/SIGUSR1; never: no "
+        "checkpoint at all (nothing to resume from)",
     )
     keep_checkpoints: int = _field(3, "checkpointing", "keep the newest K checkpoints of the run")
     resume: str | None = _field(
@@ -247,6 +251,17 @@ class TrainConfig:
             return DEFAULT_EPOCHS
         return self.max_epochs
 
+    @property
+    def saves_checkpoints(self) -> bool:
+        return self.checkpoint_every != "never"
+
+    def checkpoint_due(self, done: int, total_steps: int) -> bool:
+        """Whether a checkpoint is written after optimizer step ``done`` (1-based)."""
+        if self.checkpoint_every == "never":
+            return False
+        every = self.checkpoint_every
+        return done == total_steps or (every is not None and done % every == 0)
+
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
@@ -273,7 +288,7 @@ _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "seed": (lambda v: 0 <= v < 2**63, "must be between 0 and 2**63 - 1"),
     "log_every_n_steps": (_positive, "must be a positive integer"),
     "val_every_n_steps": (_positive, "must be a positive integer"),
-    "checkpoint_every": (_positive, "must be a positive integer"),
+    "checkpoint_every": (lambda v: v == "never" or v > 0, "must be a positive integer, never or null"),
     "keep_checkpoints": (_positive, "must be a positive integer"),
     "resume": (lambda v: bool(v.strip()), "must be auto or the path of a checkpoint file"),
 }

@@ -66,17 +66,19 @@ class LeantrainWarning(UserWarning):
 
 
 class RunInterrupted(Exception):
-    """Training stopped on a signal (SIGTERM, SIGUSR1) after saving a checkpoint.
+    """Training stopped on a signal (SIGTERM, SIGUSR1), after saving a checkpoint unless told never to.
 
     Not a LeantrainError: nothing was wrong with the input, and the run can go on.
     """
 
-    def __init__(self, signal_name: str, signal_number: int, step: int, checkpoint: str) -> None:
+    def __init__(self, signal_name: str, signal_number: int, step: int, checkpoint: str | None) -> None:
         self.signal_name = signal_name
         self.signal_number = signal_number
         self.step = step
-        self.checkpoint = checkpoint
-        super().__init__(
-            f"stopped by {signal_name} after step {step}; checkpoint {checkpoint}; "
-            "continue with --resume auto"
+        self.checkpoint = checkpoint  # None: checkpoint_every is never, nothing was saved
+        where = (
+            f"checkpoint {checkpoint}; continue with --resume auto"
+            if checkpoint is not None
+            else "no checkpoint was written (checkpoint_every is never): the run cannot be continued"
         )
+        super().__init__(f"stopped by {signal_name} after step {step}; {where}")

@@ -121,7 +121,7 @@ def run_doctor(
             max_epochs=None,
             log_every_n_steps=schedule.total,  # no metric reads inside the measured steps
             val_every_n_steps=None,
-            checkpoint_every=None,
+            checkpoint_every="never",  # a measurement, not a run to continue
             resume=None,
             tensorboard=False,
             out_dir=cfg.out_dir or str(Path(scratch) / "run"),

@@ -199,15 +199,13 @@ class Run(RunState):
                 window_first_step, window_started = done, time.perf_counter()
             if cfg.val_every_n_steps and done % cfg.val_every_n_steps == 0 and done < self.total_steps:
                 window_started += self._validate(done, callbacks)
-            checkpoint_due = done == self.total_steps or bool(
-                cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-            )
+            checkpoint_due = cfg.checkpoint_due(done, self.total_steps)
             stop = self._stop_requested(signals, done, checkpoint_due)
             if checkpoint_due or stop:
-                path = self.save_checkpoint(done)
+                path = self.save_checkpoint(done) if cfg.saves_checkpoints else None
                 if stop:
                     received = signals.received or signal.SIGTERM
-                    raise RunInterrupted(received.name, int(received), done, str(path))
+                    raise RunInterrupted(received.name, int(received), done, path and str(path))
             step = done
         if self.val_loader is not None:
             self._validate(self.total_steps, callbacks)
@@ -227,11 +225,17 @@ class Run(RunState):
         if self.cfg.on_nan == "skip":
             self.logger.warning(f"step {step + 1} skipped: the training {what} is not finite")
             return
+        remedy = "lower the learning rate or check the data (or pass --on-nan skip to drop such steps)"
+        if not self.cfg.saves_checkpoints:
+            raise NonFiniteLossError(
+                f"the training {what} is not finite at step {step + 1}; nothing was saved "
+                f"(checkpoint_every is never); {remedy}, then train again",
+                step=step + 1,
+            )
         path = self.save_checkpoint(step)  # nothing was updated: the state after the step before
         raise NonFiniteLossError(
             f"the training {what} is not finite at step {step + 1}; the last good state (after step "
-            f"{step}) is saved in {path}; lower the learning rate or check the data, then continue "
-            "with --resume auto (or pass --on-nan skip to drop such steps)",
+            f"{step}) is saved in {path}; {remedy}, then continue with --resume auto",
             step=step + 1,
             checkpoint=str(path),
         )
