@@ -1,4 +1,5 @@
-"""The process's surroundings: device, seeding, deterministic kernels, peak memory, stop signals."""
+"""The process's surroundings: device, seeding, deterministic kernels, compute threads, peak
+memory, stop signals."""
 
 from __future__ import annotations
 
@@ -128,6 +129,52 @@ def matmul_reduction(allow_reduced: bool) -> Iterator[None]:
         matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = (
             previous
         )
+
+
+# Torch's intra-op threads when leantrain was imported: its own default (the CPUs of the
+# process) unless the user changed it before. Another count at fit time is the user's choice.
+_THREADS_AT_IMPORT = torch.get_num_threads()
+# Set by ``leantrain launch`` beside the OMP_NUM_THREADS it chose for its ranks, which each rank
+# may then lower further for its loader workers (a user's OMP_NUM_THREADS is left alone).
+THREADS_FROM_LAUNCH = "LEANTRAIN_THREADS_FROM_LAUNCH"
+
+
+def user_chose_threads() -> bool:
+    """Whether the user set the compute threads: OMP_NUM_THREADS/MKL_NUM_THREADS, or torch.set_num_threads."""
+    chosen_by_env = "OMP_NUM_THREADS" in os.environ or "MKL_NUM_THREADS" in os.environ
+    return (chosen_by_env and THREADS_FROM_LAUNCH not in os.environ) or (
+        torch.get_num_threads() != _THREADS_AT_IMPORT
+    )
+
+
+def leave_cpus_to_workers(workers: int, cpus: int) -> str | None:
+    """Lower torch's intra-op threads to the CPUs that ``workers`` loader processes leave of the
+    ``cpus`` of this process (at least one), unless the user chose the count; a note, or None.
+
+    Beside busy workers, idle compute threads spin on the cores the workers need: on 2 CPUs
+    with 2 workers, one compute thread trained the data-bound example 1.3x faster than two
+    (benchmarks/results/data.md). Restored after the run by ``compute_threads_restored``.
+    """
+    before = torch.get_num_threads()
+    threads = max(1, cpus - workers)
+    if workers == 0 or threads >= before or user_chose_threads():
+        return None
+    torch.set_num_threads(threads)
+    return (
+        f"compute threads: {threads} (was {before}): {workers} loader worker(s) use the other CPUs of "
+        f"the {cpus} this process has; OMP_NUM_THREADS or torch.set_num_threads chooses otherwise"
+    )
+
+
+@contextmanager
+def compute_threads_restored() -> Iterator[None]:
+    """Torch's intra-op thread count as it was before the block (a run may lower it)."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

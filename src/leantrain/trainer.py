@@ -21,6 +21,7 @@ from leantrain.run.results import FitResult
 from leantrain.runtime import (
     StopSignals,
     allocator_cap_lifted_after,
+    compute_threads_restored,
     deterministic_kernels,
     matmul_reduction,
     resolve_device,
@@ -66,6 +67,7 @@ class Trainer:
                 deterministic_kernels(cfg.deterministic),
                 matmul_reduction(cfg.reduced_precision_reduction),
                 allocator_cap_lifted_after(device),
+                compute_threads_restored(),
             ):
                 seed_everything(cfg.seed)
                 run = Run(cfg, task, device, run_dir, env, strategy, started, self.instruments)

@@ -56,10 +56,15 @@ def available_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     return max(cpus, 1)
 
 
-def auto_workers(processes_per_node: int, cpus: int | None = None) -> int:
-    """Each training process's share of the node's CPUs, at least 1, at most MAX_AUTO_WORKERS."""
+def cpus_per_process(processes_per_node: int, cpus: int | None = None) -> int:
+    """Each training process's share of the node's CPUs, at least 1."""
     cpus = available_cpus() if cpus is None else cpus
-    return max(1, min(MAX_AUTO_WORKERS, cpus // max(processes_per_node, 1)))
+    return max(1, cpus // max(processes_per_node, 1))
+
+
+def auto_workers(processes_per_node: int, cpus: int | None = None) -> int:
+    """Each training process's share of the node's CPUs, at most MAX_AUTO_WORKERS."""
+    return min(MAX_AUTO_WORKERS, cpus_per_process(processes_per_node, cpus))
 
 
 def auto_prefetch(workers: int, accumulation_steps: int) -> int:

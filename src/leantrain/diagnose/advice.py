@@ -190,8 +190,10 @@ def threads_compete_with_workers(facts: RunFacts, m: Measurements) -> list[Advic
             "give the main process one thread while workers load",
             f"{facts.num_workers} workers and {facts.torch_threads} compute threads share "
             f"{facts.available_cpus} CPUs, and the step still waits {m.share('data'):.0%} for data: "
-            "the compute threads spin-wait on cores the workers need",
-            "OMP_NUM_THREADS=1 leantrain fit ...  (or torch.set_num_threads(1) in the task)",
+            "the compute threads spin-wait on cores the workers need (a thread count set by "
+            "OMP_NUM_THREADS or torch.set_num_threads, which leantrain leaves alone)",
+            "OMP_NUM_THREADS=1 leantrain fit ...  (or unset it and drop torch.set_num_threads: "
+            "leantrain then gives the main process the CPUs the workers leave)",
             f"measured {THREADS_MEASURED_GAIN:.2f}x with 2 workers on 2 CPUs (benchmarks/results/data.md)",
             tier=1,
             speedup=THREADS_MEASURED_GAIN,

@@ -197,7 +197,7 @@ def _facts(task: Any, cfg: TrainConfig, result: FitResult, device: torch.device,
         num_workers=result.num_workers,
         persistent_workers=True,  # leantrain's loaders keep their workers
         auto_workers=auto_workers(detect().local_world_size),
-        torch_threads=torch.get_num_threads(),
+        torch_threads=result.compute_threads,
         available_cpus=available_cpus(),
         pin_memory=cfg.pin_memory if cfg.pin_memory is not None else device.type == "cuda",
         cache=cfg.cache,

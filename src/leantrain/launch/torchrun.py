@@ -7,12 +7,16 @@ process, restarts the group on failure (``--max-restarts``), and forwards stop s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torch.distributed import run as torchrun
 
+from leantrain.data.workers import cpus_per_process
 from leantrain.errors import LeantrainError
+from leantrain.runtime import THREADS_FROM_LAUNCH
 
 # Signals torchrun forwards to its workers. SIGUSR1 is what SLURM sends before a time limit;
 # leantrain's workers answer it by saving a checkpoint. (The option exists in newer torch.)
@@ -67,6 +71,22 @@ def torchrun_arguments(
     return [*args, "--module", "leantrain", command, *fit_arguments]
 
 
+@contextmanager
+def cpus_divided(processes: int) -> Iterator[None]:
+    """Each process of the node gets its share of the CPUs as compute threads, unless the user set
+    OMP_NUM_THREADS (torchrun alone would give every process 1, whatever the node has). The
+    launcher's own environment is put back afterwards."""
+    if "OMP_NUM_THREADS" in os.environ or "MKL_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = str(cpus_per_process(processes))
+    os.environ[THREADS_FROM_LAUNCH] = "1"  # each process may still leave CPUs to its loader workers
+    try:
+        yield
+    finally:
+        del os.environ["OMP_NUM_THREADS"], os.environ[THREADS_FROM_LAUNCH]
+
+
 def _torchrun_knows(flag: str) -> bool:
     return any(flag in action.option_strings for action in torchrun.get_args_parser()._actions)
 
@@ -75,7 +95,8 @@ def launch(options: LaunchOptions, fit_arguments: Sequence[str], command: str = 
     """Run torchrun in this process; its exit status (0 when every worker succeeded)."""
     arguments = torchrun_arguments(options, fit_arguments, command)
     try:
-        torchrun.main(arguments)
+        with cpus_divided(options.nproc_per_node):
+            torchrun.main(arguments)
     except SystemExit as exit_:  # torchrun exits with the workers' failure
         return int(exit_.code or 0)
     except Exception as failure:  # ChildFailedError: torchrun has already printed the details

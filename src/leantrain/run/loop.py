@@ -22,6 +22,7 @@ from leantrain.cluster import ClusterEnv
 from leantrain.config import TrainConfig
 from leantrain.data.build import build_train_loader, build_val_loader, load_train_data
 from leantrain.data.loader import device_batches
+from leantrain.data.workers import cpus_per_process
 from leantrain.errors import NonFiniteLossError, RunInterrupted
 from leantrain.files import atomic_write_json
 from leantrain.log.precision_health import PrecisionHealth
@@ -39,7 +40,13 @@ from leantrain.run.builders import (
 from leantrain.run.hooks import Callback, Instruments, StepStats
 from leantrain.run.results import FitResult
 from leantrain.run.state import RunState
-from leantrain.runtime import StopSignals, derived_seed, peak_memory_bytes, seed_everything
+from leantrain.runtime import (
+    StopSignals,
+    derived_seed,
+    leave_cpus_to_workers,
+    peak_memory_bytes,
+    seed_everything,
+)
 from leantrain.step.accumulator import Accumulator, StepOutcome, StepStatus
 from leantrain.step.batching import BatchSplit
 from leantrain.step.evaluation import evaluate
@@ -110,6 +117,9 @@ class Run(RunState):
         self.val_loader = build_val_loader(
             task, cfg, self.data_env, self.split, self.num_workers, prefetch, self.pin_memory, self.data.notes
         )
+        if device.type == "cpu":  # the workers and the step's compute share this node's CPUs
+            threads = leave_cpus_to_workers(self.num_workers, cpus_per_process(env.local_world_size))
+            self.data.notes += [threads] if threads else []
         self.logger = RunLogger(
             run_dir, self.total_steps, cfg.progress, cfg.tensorboard, self.start_step, enabled=env.is_main
         )
@@ -326,6 +336,7 @@ class Run(RunState):
             global_batch_size=self.split.global_batch_size,
             device=str(self.device),
             num_workers=self.num_workers,
+            compute_threads=torch.get_num_threads(),
             skipped_steps=int(self.progress["skipped_steps"]),
             nonfinite_steps=int(self.progress["nonfinite_steps"]),
             **(self.memory.as_dict() if self.memory is not None else {}),

@@ -27,6 +27,7 @@ class FitResult:
     global_batch_size: int
     device: str
     num_workers: int = 0  # the DataLoader workers used (as resolved from auto / tune)
+    compute_threads: int = 1  # torch's intra-op threads in training (lowered beside workers on CPU)
     skipped_steps: int = 0  # steps without an update: fp16 overflows and, with on_nan=skip, non-finite ones
     nonfinite_steps: int = 0  # of those, the steps whose loss or gradient was NaN/inf
     params_bytes: int = 0  # parameters (and fp32 masters); see memory/accountant.py
