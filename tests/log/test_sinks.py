@@ -1,8 +1,13 @@
 from __future__ import annotations
 
 import csv
+import math
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from leantrain.log.sinks import CSVSink, TensorBoardSink, tensorboard_tag
+from leantrain.log.tfevents import crc32c
 
 
 def test_csv_gains_late_columns_without_losing_rows(tmp_path):
@@ -23,8 +28,6 @@ def test_tensorboard_writes_event_files(tmp_path):
     sink = TensorBoardSink(tmp_path)
     sink.write(1, {"train_loss": 2.0, "val_accuracy": 0.5, "bad": float("nan")})
     sink.close()
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert set(events.Tags()["scalars"]) == {"train/loss", "val/accuracy"}  # non-finite values are left out
@@ -35,3 +38,42 @@ def test_tensorboard_tags_group_train_and_val():
     assert tensorboard_tag("val_loss") == "val/loss"
     assert tensorboard_tag("train_loss") == "train/loss"
     assert tensorboard_tag("samples_per_second") == "train/samples_per_second"
+
+
+def read_scalars(log_dir, tag: str) -> list[tuple[int, float]]:
+    """What TensorBoard itself reads from the folder's event files."""
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars(tag)]
+
+
+def test_tensorboard_keeps_every_value_as_float32_and_a_huge_one_as_infinity(tmp_path):
+    sink = TensorBoardSink(tmp_path)
+    for step, value in enumerate([0.1, 2.5, 1e300, -7.0], start=1):
+        sink.write(step, {"train_loss": value, "lr": 3e-4})
+    sink.close()
+    assert read_scalars(tmp_path, "train/loss") == [
+        (1, pytest.approx(0.1, rel=1e-7)),
+        (2, 2.5),
+        (3, math.inf),
+        (4, -7.0),
+    ]
+    assert [step for step, _ in read_scalars(tmp_path, "train/lr")] == [1, 2, 3, 4]
+
+
+def test_a_resumed_run_hides_what_the_interrupted_run_logged_after_its_checkpoint(tmp_path):
+    first = TensorBoardSink(tmp_path)
+    for step in range(1, 6):
+        first.write(step, {"train_loss": float(step)})
+    first.close()  # interrupted after step 5; the checkpoint was of step 3
+    resumed = TensorBoardSink(tmp_path, keep_until_step=3)
+    for step in (4, 5, 6):
+        resumed.write(step, {"train_loss": 10.0 * step})
+    resumed.close()
+    kept_then_new = [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+    assert read_scalars(tmp_path, "train/loss") == kept_then_new
+
+
+def test_crc32c_is_the_castagnoli_checksum():
+    assert crc32c(b"123456789") == 0xE3069283  # the standard check value of CRC-32C
+    assert crc32c(b"") == 0

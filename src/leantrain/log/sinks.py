@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any, Protocol
 
+from leantrain.log.tfevents import EventFileWriter
+
 
 class Sink(Protocol):
     def write(self, step: int, metrics: dict[str, float]) -> None: ...
@@ -72,17 +74,16 @@ class TensorBoardSink:
     """
 
     def __init__(self, log_dir: Path, keep_until_step: int = 0) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
-
-        self._writer = SummaryWriter(
-            log_dir=str(log_dir), purge_step=keep_until_step + 1 if keep_until_step else None
-        )
+        self._writer = EventFileWriter(log_dir, restart_step=keep_until_step + 1 if keep_until_step else None)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        for name, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._writer.add_scalar(tensorboard_tag(name), value, step)
-        self._writer.flush()
+        values = {
+            tensorboard_tag(name): float(value)
+            for name, value in metrics.items()
+            if isinstance(value, (int, float)) and math.isfinite(value)
+        }
+        if values:
+            self._writer.add_scalars(step, values)
 
     def close(self) -> None:
         self._writer.close()
