@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/precision.py
 	$(PY) benchmarks/data.py
 	$(PY) benchmarks/recompute.py
+	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/doctor.py
 	$(PY) benchmarks/parallelism.py
 
