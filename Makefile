@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY          = $(VENV)/bin/python
 STAMP       = $(VENV)/.leantrain-installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-gpu lint bench clean
 
 install: $(STAMP)
 
@@ -28,6 +28,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
+
+# The tests marked `cuda` (skipped without a GPU; `make test` runs them too where one exists).
+# Results on a GPU machine go to benchmarks/results/gpu.md.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m cuda -q -rs $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks
