@@ -77,9 +77,20 @@ def test_same_seed_same_result_and_other_seed_differs(fit):
     assert not all(torch.equal(x, y) for x, y in zip(pa, pc, strict=True))
 
 
-def test_deterministic_mode_trains_and_restores_the_global_setting(fit):
+class DeterministicDuringSteps:
+    def __init__(self) -> None:
+        self.seen: set[bool] = set()
+
+    def on_step(self, stats: lt.StepStats) -> None:
+        self.seen.add(torch.are_deterministic_algorithms_enabled())
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_mode_is_on_while_training_and_restored_after(fit, deterministic):
     before = torch.are_deterministic_algorithms_enabled()
-    fit(TinyClassifier(), global_batch_size=32, max_steps=2, deterministic=True)
+    during = DeterministicDuringSteps()
+    fit(TinyClassifier(), callbacks=[during], global_batch_size=32, max_steps=2, deterministic=deterministic)
+    assert during.seen == {deterministic or before}
     assert torch.are_deterministic_algorithms_enabled() == before
 
 
@@ -103,17 +114,33 @@ def test_callbacks_see_every_step_and_every_log(fit):
     assert [step for step, m in recorder.logs if "val_loss" in m] == [6]
 
 
+class RemembersItsStart(RegressionTask):
+    """Keeps a copy of the initial weights it built."""
+
+    def model(self):
+        model = super().model()
+        self.initial = [p.detach().clone() for p in model.parameters()]
+        return model
+
+
+def first_update_norm(fit, recorder: Recorder, **fields) -> float:
+    task = RemembersItsStart()
+    result = fit(task, callbacks=[recorder], global_batch_size=16, max_steps=1, log_every_n_steps=1, **fields)
+    pairs = zip(result.model.parameters(), task.initial, strict=True)
+    return float(sum((p.detach() - q).pow(2).sum() for p, q in pairs)) ** 0.5
+
+
 def test_gradient_clipping_logs_the_norm_and_bounds_the_update(fit):
-    recorder = Recorder()
-    fit(
-        RegressionTask(),
-        callbacks=[recorder],
-        global_batch_size=16,
-        max_steps=2,
-        log_every_n_steps=1,
-        max_grad_norm=1e-3,
-    )
-    assert all(m["grad_norm"] > 1e-3 for _, m in recorder.logs)  # the norm before clipping
+    # SGD's first step (momentum buffer = gradient) moves the weights by lr x the gradient it gets.
+    lr, max_norm = 0.05, 1e-3
+    free, clipped = Recorder(), Recorder()
+    unclipped_move = first_update_norm(fit, free)
+    clipped_move = first_update_norm(fit, clipped, max_grad_norm=max_norm)
+    [(_, metrics)] = clipped.logs
+    assert metrics["grad_norm"] > 100 * max_norm  # the norm before clipping is logged
+    assert unclipped_move == pytest.approx(lr * metrics["grad_norm"], rel=1e-9)  # the control
+    # Bounded, and scaled to the bound rather than zeroed (torch's clip adds 1e-6 to the norm).
+    assert lr * max_norm * (1 - 1e-4) < clipped_move <= lr * max_norm
 
 
 SYNC_CALLS = {"item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy", "__format__", "__repr__"}
