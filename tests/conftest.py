@@ -119,6 +119,21 @@ class TinyClassifier:
         return torch.optim.Adam(params, lr=1e-2)
 
 
+class ReadEachStep:
+    """A callback that reads ``read()`` after each optimizer step (or only after ``steps``)."""
+
+    def __init__(self, read: Any, steps: set[int] | None = None) -> None:
+        self.read, self.steps = read, steps
+        self.values: dict[int, Any] = {}
+
+    def on_step(self, stats: Any) -> None:
+        if self.steps is None or stats.step in self.steps:
+            self.values[stats.step] = self.read()
+
+    def seen(self) -> set[Any]:
+        return set(self.values.values())
+
+
 def quiet_config(out_dir: Path, **fields: Any) -> lt.TrainConfig:
     """A config that writes into ``out_dir`` and prints nothing."""
     fields.setdefault("progress", "none")

@@ -12,7 +12,7 @@ import leantrain as lt
 from leantrain import runtime
 from leantrain.launch.torchrun import cpus_divided
 from leantrain.runtime import THREADS_FROM_LAUNCH, compute_threads_restored, leave_cpus_to_workers
-from tests.conftest import RegressionTask, quiet_config
+from tests.conftest import ReadEachStep, RegressionTask, quiet_config
 
 
 @pytest.fixture
@@ -56,20 +56,12 @@ def test_the_launchers_own_share_may_still_be_lowered(four_default_threads, monk
         assert torch.get_num_threads() == 2
 
 
-class ThreadsInTraining:
-    def __init__(self) -> None:
-        self.seen: set[int] = set()
-
-    def on_step(self, stats) -> None:
-        self.seen.add(torch.get_num_threads())
-
-
 @pytest.mark.parametrize(("workers", "expected"), [(0, 4), (1, 3), (2, 2)])
 def test_fit_trains_with_what_the_workers_leave(four_default_threads, tmp_path, capsys, workers, expected):
-    threads = ThreadsInTraining()
+    threads = ReadEachStep(torch.get_num_threads)
     config = quiet_config(tmp_path, global_batch_size=32, max_steps=4, num_workers=workers, progress="plain")
     result = lt.Trainer(config, callbacks=[threads]).fit(RegressionTask())
-    assert threads.seen == {expected} and result.compute_threads == expected
+    assert threads.seen() == {expected} and result.compute_threads == expected
     assert torch.get_num_threads() == 4  # put back after the run
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("compute threads:")]
     if workers == 0:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from torch.overrides import TorchFunctionMode
 
 import leantrain as lt
-from tests.conftest import RegressionTask, TinyClassifier, quiet_config
+from tests.conftest import ReadEachStep, RegressionTask, TinyClassifier, quiet_config
 
 SUMMARY_KEYS = {
     "steps",
@@ -77,20 +77,12 @@ def test_same_seed_same_result_and_other_seed_differs(fit):
     assert not all(torch.equal(x, y) for x, y in zip(pa, pc, strict=True))
 
 
-class DeterministicDuringSteps:
-    def __init__(self) -> None:
-        self.seen: set[bool] = set()
-
-    def on_step(self, stats: lt.StepStats) -> None:
-        self.seen.add(torch.are_deterministic_algorithms_enabled())
-
-
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_deterministic_mode_is_on_while_training_and_restored_after(fit, deterministic):
     before = torch.are_deterministic_algorithms_enabled()
-    during = DeterministicDuringSteps()
+    during = ReadEachStep(torch.are_deterministic_algorithms_enabled)
     fit(TinyClassifier(), callbacks=[during], global_batch_size=32, max_steps=2, deterministic=deterministic)
-    assert during.seen == {deterministic or before}
+    assert during.seen() == {deterministic or before}
     assert torch.are_deterministic_algorithms_enabled() == before
 
 

@@ -111,21 +111,14 @@ def test_the_tracker_keeps_no_tensor_it_was_given():
     assert tracker.read().mean_loss == sum(3 * step for step in range(5)) / 15
 
 
-class LiveTensors:
-    """Counts the tensors alive after given steps (a callback)."""
-
-    def __init__(self, steps: set[int]) -> None:
-        self.steps, self.counts = steps, {}
-
-    def on_step(self, stats) -> None:
-        if stats.step in self.steps:
-            self.counts[stats.step] = sum(type(o) is torch.Tensor for o in gc.get_objects())
+def live_tensors() -> int:
+    return sum(type(o) is torch.Tensor for o in gc.get_objects())
 
 
 def test_nothing_of_a_micro_batch_outlives_its_step_between_log_points(fit):
-    from tests.conftest import RegressionTask
+    from tests.conftest import ReadEachStep, RegressionTask
 
-    live = LiveTensors({3, 28})
+    live = ReadEachStep(live_tensors, steps={3, 28})
     fit(
         RegressionTask(),
         callbacks=[live],
@@ -134,4 +127,4 @@ def test_nothing_of_a_micro_batch_outlives_its_step_between_log_points(fit):
         max_steps=30,
         log_every_n_steps=50,
     )
-    assert live.counts[28] == live.counts[3], live.counts
+    assert live.values[28] == live.values[3], live.values

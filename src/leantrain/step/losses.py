@@ -95,7 +95,7 @@ class LossTracker:
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         """Restore a saved window (also the per-entry lists that earlier versions saved)."""
-        self.__init__()  # type: ignore[misc]
+        self._clear()
         totals, weights = state["totals"], state["weights"]
         for i, (step, is_mean) in enumerate(zip(state["steps"], state["is_mean"], strict=True)):
             weight = weights[i]
@@ -133,9 +133,13 @@ class LossTracker:
             mean_loss=float(sums.sum() / weights.sum().clamp(min=1)),
             last_step_loss=float(sums[last].sum() / weights[last].sum().clamp(min=1)),
         )
+        self._clear()
+        return window
+
+    def _clear(self) -> None:
+        """An empty window; the buffers stay for the next one."""
         self._step_starts.clear()
         self._truncate(0)
-        return window
 
 
 class _Column:
