@@ -226,10 +226,10 @@ CRASH_DURING_SAVE = textwrap.dedent(
     save_checkpoint(path, {"step": 1, "blob": torch.zeros(1000)})
 
     real_save = torch.save
-    def save_then_die(obj, target):
-        real_save({"step": 2, "blob": torch.ones(4_000_000)}, target)   # a large, partly written file
-        with open(target, "r+b") as handle:
-            handle.truncate(os.path.getsize(target) // 3)
+    def save_then_die(obj, handle):
+        real_save({"step": 2, "blob": torch.ones(4_000_000)}, handle)   # a large, partly written file
+        handle.flush()
+        os.ftruncate(handle.fileno(), os.fstat(handle.fileno()).st_size // 3)
         os.kill(os.getpid(), signal.SIGKILL)                             # killed in the middle of the save
     torch.save = save_then_die
     save_checkpoint(path, {"step": 2})

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
 from rich.console import Console
 from rich.table import Table
@@ -27,26 +28,61 @@ from leantrain.checkpoint import export_checkpoint
 from leantrain.cluster import detect
 from leantrain.config import GROUPS, TrainConfig, coerce, metavar
 from leantrain.data.cache import prepare_cache, task_source
+from leantrain.data.limits import check_num_workers
 from leantrain.data.workers import auto_workers
 from leantrain.diagnose.doctor import DEFAULT_STEPS, DEFAULT_WARMUP, TRACED_STEPS, Diagnosis, run_doctor
 from leantrain.diagnose.report import print_report, write_html
-from leantrain.errors import ConfigError, LeantrainError, RunInterrupted, TaskError
+from leantrain.errors import ConfigError, LeantrainError, RunInterrupted, StorageError, TaskError
 from leantrain.examples import DEFAULT_EXAMPLE, EXAMPLES, load_example
+from leantrain.files import check_folder
 from leantrain.launch.slurm import SlurmOptions, sbatch_script, submit
 from leantrain.launch.torchrun import LaunchOptions, launch
 from leantrain.memory.estimate import DEFAULT_MARGIN, RECOMPUTE_PAYS, MemoryEstimate, estimate_memory
+from leantrain.run.preflight import check_machine
 from leantrain.strategies.registry import check_config, names, strategies
 from leantrain.task import load_task
 from leantrain.trainer import FitResult, Trainer
 from leantrain.units import format_bytes, parse_bytes
 
+# Exit codes (docs/errors.md): 0 done; 1 a bug, with its traceback; 2 bad input (one line);
+# 74 the storage refused a write (sysexits' EX_IOERR; one line that says what is safe);
+# 128 + N stopped by signal N after a checkpoint; 130 Ctrl-C.
 EXIT_USAGE = 2
+EXIT_STORAGE = 74
 # Flags that are not TrainConfig fields.
 TASK_FLAGS = ("task", "example")
 # `--json` alone or `--json true|false`, for every command that can print JSON.
 JSON_FLAG, JSON_OPTIONS = "--json", {"type": bool, "nargs": "?", "const": True, "default": False}
 # Extra spellings of field flags, as SPEC.md writes them.
 FLAG_ALIASES = {"out_dir": ["--out"]}
+
+
+class YamlConfig(ActionConfigFile):
+    """``--config FILE``: jsonargparse's config file, refused in one line unless it is a YAML mapping."""
+
+    def __call__(self, parser: Any, cfg: Any, values: Any, option_string: str | None = None) -> None:
+        check_yaml_mapping(Path(values), "config")
+        super().__call__(parser, cfg, values, option_string)
+
+
+def check_yaml_mapping(path: Path, field: str) -> None:
+    """ConfigError naming ``field`` unless ``path`` is a readable UTF-8 YAML file holding a mapping."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except IsADirectoryError:
+        raise ConfigError(field, str(path), "is a folder; give a YAML file") from None
+    except OSError as error:
+        raise ConfigError(field, str(path), f"cannot be read ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(field, str(path), f"is not UTF-8 text (byte {error.start})") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or " ".join(str(error).split()[:12])
+        raise ConfigError(field, str(path), f"is not valid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        found = "nothing" if data is None else f"a {type(data).__name__}"
+        raise ConfigError(field, str(path), f"must hold a mapping of field: value lines, found {found}")
 
 
 def flag(name: str) -> str:
@@ -58,7 +94,7 @@ def _fit_parser(
 ) -> ArgumentParser:
     """The fit flags; ``plan`` and ``doctor`` take them too, and add their own."""
     parser = ArgumentParser(description=description, exit_on_error=False)
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML file of flags (keys as field names)")
+    parser.add_argument("--config", action=YamlConfig, help="YAML file of flags (keys as field names)")
     source = parser.add_argument_group("Task")
     source.add_argument(
         "--task", default=None, help="the task to train, as 'pkg.module:Name' (class or factory)"
@@ -239,6 +275,8 @@ def run_cache(values: dict[str, Any], console: Console) -> None:
         workers = auto_workers(processes_per_node=1)
     elif not isinstance(workers, int) or workers < 0:
         raise ConfigError("num_workers", values["num_workers"], "must be 0 or more, or auto")
+    check_num_workers(workers)
+    check_folder(values["out"], "out", writable=False)
     for split in ("train", "val"):
         data_fn = getattr(task, f"{split}_data", None)
         dataset = data_fn() if callable(data_fn) else None
@@ -300,12 +338,18 @@ def _slurm_parser() -> ArgumentParser:
 
 
 def _fit_arguments(
-    values: dict[str, Any], command: str, world_size: int | None, commands: tuple[str, ...] = ("fit",)
+    values: dict[str, Any],
+    command: str,
+    world_size: int | None,
+    commands: tuple[str, ...] = ("fit",),
+    processes_per_node: int | None = None,
 ) -> tuple[str, list[str]]:
     """The command (``fit``, or ``doctor`` where allowed) after ``launch ...`` and its flags,
     checked now: bad input fails before any process starts.
 
-    ``world_size``, when known, also checks that the batch splits over that many processes.
+    ``world_size``, when known, also checks that the batch splits over that many processes;
+    ``processes_per_node``, when they start here, that this machine can hold their workers and
+    write their folders.
     """
     arguments = list(values.pop("fit_arguments"))
     if not arguments or arguments[0] not in commands:
@@ -316,6 +360,8 @@ def _fit_arguments(
     config = config_from_args(parsed)
     if world_size is not None:
         check_config(config, world_size)
+    if processes_per_node is not None:  # the processes start on this machine: check what they need of it
+        check_machine(config, Path(config.out_dir or "runs"), processes_per_node)
     return arguments[0], arguments[1:]
 
 
@@ -381,7 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             values = namespace.launch.as_dict()
             nodes = values["nnodes"]  # "N", or "MIN:MAX" for elastic membership (size unknown here)
             world = values["nproc_per_node"] * int(nodes) if str(nodes).isdigit() else None
-            run, run_arguments = _fit_arguments(values, "launch", world, ("fit", "doctor"))
+            run, run_arguments = _fit_arguments(
+                values, "launch", world, ("fit", "doctor"), values["nproc_per_node"]
+            )
             return launch(LaunchOptions(**values), run_arguments, run)
         elif namespace.command == "slurm":
             values = namespace.slurm.as_dict()
@@ -406,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_fit(values, console)
     except argparse.ArgumentError as error:
         return _fail(f"leantrain: error: {' '.join(str(error).split())}")
+    except StorageError as error:
+        return _fail(f"leantrain: error: {error}", code=EXIT_STORAGE)
     except LeantrainError as error:
         return _fail(f"leantrain: error: {error}")
     except RunInterrupted as stop:
@@ -417,7 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
-    print(message, file=sys.stderr)
+    # One line, whatever the value quoted in it holds (a path may contain a line break).
+    print(message.replace("\r", "\\r").replace("\n", "\\n"), file=sys.stderr)
     return code
 
 

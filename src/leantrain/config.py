@@ -12,6 +12,7 @@ any process starts (the CLI) and when ``Trainer.fit`` begins.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -282,7 +283,7 @@ _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "pipeline_stages": (lambda v: v >= 2, "must be 2 or more"),
     "max_steps": (_positive, "must be a positive integer"),
     "max_epochs": (_positive, "must be a positive integer"),
-    "max_grad_norm": (_positive, "must be a positive number"),
+    "max_grad_norm": (lambda v: 0 < v < math.inf, "must be a positive finite number (null: no clipping)"),
     "num_workers": (lambda v: isinstance(v, str) or v >= 0, "must be 0 or more, auto or tune"),
     "prefetch_factor": (_positive, "must be a positive integer"),
     "seed": (lambda v: 0 <= v < 2**63, "must be between 0 and 2**63 - 1"),

@@ -18,7 +18,17 @@ class ConfigError(LeantrainError, ValueError):
         self.field = field
         self.value = value
         self.allowed = allowed
-        super().__init__(f"invalid {field}={value!r}: {allowed}")
+        super().__init__(f"invalid {field}={_shortened(repr(value))}: {allowed}")
+
+
+# A value longer than this is cut in the message: the line must stay one readable line.
+SHOWN_VALUE_CHARS = 80
+
+
+def _shortened(text: str) -> str:
+    if len(text) <= SHOWN_VALUE_CHARS:
+        return text
+    return f"{text[: SHOWN_VALUE_CHARS - 20]}...({len(text):,} characters)"
 
 
 class TaskError(LeantrainError):
@@ -59,6 +69,11 @@ class NonFiniteLossError(LeantrainError):
 
 class CheckpointError(LeantrainError):
     """A checkpoint that is missing, corrupt, unsafe, or does not match this run; names the file."""
+
+
+class StorageError(LeantrainError):
+    """A write the storage refused (no space, no permission, a read-only file system), in one line:
+    what was written, where, how much it needed, and what is safe. The CLI exits with EXIT_STORAGE."""
 
 
 class LeantrainWarning(UserWarning):

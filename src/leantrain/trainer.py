@@ -14,9 +14,10 @@ import torch.distributed as dist
 
 from leantrain.cluster import ClusterEnv, detect
 from leantrain.config import TrainConfig
-from leantrain.errors import ConfigError, LeantrainError
+from leantrain.errors import ConfigError, StorageError
 from leantrain.run.hooks import Callback, Instruments, NoInstruments, StepStats
 from leantrain.run.loop import Run
+from leantrain.run.preflight import check_machine
 from leantrain.run.results import FitResult
 from leantrain.runtime import (
     StopSignals,
@@ -59,7 +60,8 @@ class Trainer:
         env = detect()
         strategy = check_config(cfg, env.world_size)
         device = _process_device(strategy.input_device(cfg, resolve_device(cfg.device)), env)
-        run_dir = _prepare_run_dir(cfg.out_dir, name, cfg.resume)
+        run_dir = _run_dir(cfg.out_dir, name)
+        check_machine(cfg, run_dir, env.local_world_size)
         created_group = init_process_group(env, device)
         run = None
         try:
@@ -72,11 +74,9 @@ class Trainer:
                 seed_everything(cfg.seed)
                 run = Run(cfg, task, device, run_dir, env, strategy, started, self.instruments)
                 try:
-                    with StopSignals() as signals:
-                        run.train(self.callbacks, signals)
-                finally:
-                    run.logger.close()
-                result = run.finish()
+                    result = _train(run, self.callbacks)
+                except StorageError as error:
+                    raise StorageError(f"{error}; {run.recovery()}") from error
             if created_group:
                 # Rank 0 writes the outputs while the others are done: a rank that tears its
                 # gloo connections down while a peer still uses them can abort at exit.
@@ -90,6 +90,17 @@ class Trainer:
                 run = None
                 gc.collect()
                 dist.destroy_process_group()
+
+
+def _train(run: Run, callbacks: Sequence[Callback]) -> FitResult:
+    try:
+        with StopSignals() as signals:
+            run.train(callbacks, signals)
+    except BaseException:
+        run.logger.close_after_error()
+        raise
+    run.logger.close()
+    return run.finish()
 
 
 def _process_device(device: torch.device, env: ClusterEnv) -> torch.device:
@@ -111,23 +122,8 @@ def _process_device(device: torch.device, env: ClusterEnv) -> torch.device:
     return device
 
 
-def _prepare_run_dir(out_dir: str | None, name: str, resume: str | None) -> Path:
-    """The run folder (created when the run starts writing).
-
-    Without ``resume``, a folder that already holds a run is refused, so nothing is overwritten.
-    """
-    if out_dir is None:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = Path("runs") / f"{name}-{stamp}"
-    else:
-        path = Path(out_dir)
-    if path.is_file():
-        raise LeantrainError(f"out_dir {path} is a file, not a folder")
-    if resume is None:
-        for marker in ("metrics.csv", "summary.json", "checkpoints"):
-            if (path / marker).exists():
-                raise LeantrainError(
-                    f"out_dir {path} already holds a run ({marker}); continue it with --resume auto "
-                    "or choose another out_dir"
-                )
-    return path
+def _run_dir(out_dir: str | None, name: str) -> Path:
+    """The run folder: ``out_dir``, else ``runs/<name>-<time>`` (created when the run starts writing)."""
+    if out_dir is not None:
+        return Path(out_dir)
+    return Path("runs") / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"

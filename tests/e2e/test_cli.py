@@ -72,7 +72,7 @@ def test_flags_and_yaml_config_set_the_same_fields(tmp_path):
         (["--task", "no_such_pkg.mod:Task"], "cannot import module 'no_such_pkg.mod'"),
         (["--task", "json:JSONDecodeError"], "must be callable with no arguments"),
         (["--task", "x:Y", "--example", "digits"], "give either --task or --example, not both"),
-        (["--config", "missing.yaml"], "File does not exist"),
+        (["--config", "missing.yaml"], "config='missing.yaml': cannot be read (No such file or directory)"),
         (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag 1"),
         (["--device", "cuda:7"], "invalid device='cuda:7'"),
         (["--resume", "missing.pt"], "checkpoint missing.pt does not exist"),

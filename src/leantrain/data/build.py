@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 from leantrain.cluster import ClusterEnv
 from leantrain.config import TrainConfig
 from leantrain.data.cache import CacheError, prepare_cache, task_source
+from leantrain.data.limits import check_prefetch, item_bytes
 from leantrain.data.loader import build_loader, check_map_style
 from leantrain.data.sampler import GlobalBatchSampler
 from leantrain.data.stream import RankShard, StreamShard, check_stream_steps, stream_length
@@ -152,11 +153,21 @@ def build_train_loader(
             start_step=start_step,
         )
     workers, prefetch = _workers(cfg, env, batch_split, data, sampler)
+    if cfg.prefetch_factor is not None and workers and not data.is_stream:  # a chosen count: can it be held?
+        check_prefetch(prefetch, workers, batch_split.micro_batch_size * _first_item_bytes(data.dataset))
     options = dict(num_workers=workers, pin_memory=pin_memory, prefetch_factor=prefetch, seed=cfg.seed)
     if sampler is not None:
         return build_loader(data.dataset, "train_data", batch_sampler=sampler, **options), workers, prefetch
     stream = StreamShard(data.dataset, "train_data", batch_split, total_steps, env.rank, start_step)  # type: ignore[arg-type]
     return DataLoader(stream, batch_size=None, **_stream_options(options)), workers, prefetch
+
+
+def _first_item_bytes(dataset: Any) -> int:
+    """The bytes of item 0 (0 when it fails to load: the loader then names the failing item)."""
+    try:
+        return item_bytes(dataset[0])
+    except Exception:  # reported by the loader, with the item's index
+        return 0
 
 
 def _stream_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,8 @@ from leantrain.log.tfevents import EventFileWriter
 
 
 class Sink(Protocol):
+    path: Path  # the file it writes
+
     def write(self, step: int, metrics: dict[str, float]) -> None: ...
 
     def close(self) -> None: ...
@@ -75,6 +77,7 @@ class TensorBoardSink:
 
     def __init__(self, log_dir: Path, keep_until_step: int = 0) -> None:
         self._writer = EventFileWriter(log_dir, restart_step=keep_until_step + 1 if keep_until_step else None)
+        self.path = self._writer.path
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         values = {

@@ -83,6 +83,18 @@ class RunState:
         }
         return self.checkpoints.save(done, state)
 
+    def recovery(self) -> str:
+        """After a write the storage refused: what of the run is safe, and how to go on."""
+        if not self.cfg.saves_checkpoints:
+            return "no checkpoint is kept (checkpoint_every never): the run must start again"
+        saved = self.checkpoints.files()  # complete files only: a save in progress is not listed
+        if not saved:
+            return "no checkpoint was written yet: free space or restore write access, then start again"
+        return (
+            f"the last good checkpoint is {saved[-1]}: free space or restore write access, then continue "
+            "with --resume auto"
+        )
+
     def resume_from(self, resume: str | None) -> None:
         """Load the checkpoint that ``resume`` names, if any, into the run's pieces."""
         if resume is None:
