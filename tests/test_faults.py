@@ -16,11 +16,13 @@ import pytest
 
 import leantrain as lt
 from leantrain import files
-from leantrain.checkpoint import load_checkpoint
+from leantrain.checkpoint import export_checkpoint, load_checkpoint
 from leantrain.cli import EXIT_STORAGE, main
+from leantrain.data.cache import prepare_cache
 from leantrain.errors import StorageError
 from leantrain.files import atomic_write, check_folder
 from leantrain.log.sinks import CSVSink
+from tests.conftest import TinyClassifier
 from tests.test_resume import assert_same_parameters, train
 
 
@@ -176,3 +178,28 @@ def test_a_full_disk_when_the_weights_are_exported_at_the_end(small_disk):
     assert "could not write weights" in str(caught.value)
     assert "No space left on device" in str(caught.value)
     assert "no checkpoint is kept (checkpoint_every never)" in str(caught.value)
+
+
+@pytest.mark.parametrize("blind", [False, True], ids=["checked-before-writing", "failed-while-writing"])
+def test_a_cache_that_does_not_fit_is_one_line_not_a_crash(small_disk, blind):
+    # Writing into a memory-mapped file on a full disk kills the process (SIGBUS): the space is
+    # reserved before any item is written, so a full disk is an error instead.
+    if blind:  # room for the 10 KiB of items, not for the 4 pages of their two files: found mid-write
+        small_disk.needs_a_real_one()
+        small_disk.fill(free_left=3 * 4096)
+        small_disk.blind_free_space_check()
+    else:
+        small_disk.fill(free_left=4096)  # TinyClassifier's cache needs 256 x 40 bytes
+    folder = small_disk.folder / "cache" / "train"
+    with pytest.raises(StorageError, match=rf"could not write cache {folder}: .*\(needs 10\.0 KiB"):
+        prepare_cache(TinyClassifier().train_data(), folder, "tiny", "train_data")
+    small_disk.free()
+    cached, built = prepare_cache(TinyClassifier().train_data(), folder, "tiny", "train_data")
+    assert built is not None and len(cached) == 256  # built once there is room
+
+
+def test_an_export_into_a_file_path_is_one_line(tmp_path):
+    train(tmp_path / "run", max_steps=2)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(lt.ConfigError, match=r"out='.*a_file': is a file; give a folder"):
+        export_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000002.pt", tmp_path / "a_file" / "w.st")

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from leantrain.errors import CheckpointError
-from leantrain.files import atomic_write
+from leantrain.files import atomic_write, check_folder
 
 FORMAT = "leantrain-checkpoint"
 FORMAT_VERSION = 1
@@ -255,6 +255,7 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str) -> Path:
     out = Path(out)
     if out.is_dir():
         out = out / "model.safetensors"
+    check_folder(out.parent, "out")
     model = (
         state["model"] if not state.get("sharded") else _gathered_model(Path(checkpoint), state["sharded"])
     )

@@ -62,6 +62,13 @@ def storage_message(what: str, path: Path, reason: str, needed: int | None = Non
     return f"could not write {what} {path}: {reason}{sizes}"
 
 
+def check_room(what: str, path: Path, needed: int) -> None:
+    """StorageError, before anything is written, when ``needed`` bytes exceed the free space at ``path``."""
+    free = free_bytes(path)
+    if free is not None and needed > free:
+        raise StorageError(storage_message(what, path, "not enough free space, nothing written", needed))
+
+
 @contextmanager
 def writing(what: str, path: Path, needed: int | None = None) -> Iterator[None]:
     """Turn a write that the storage refuses into a one-line :class:`StorageError`; others pass."""
@@ -88,9 +95,8 @@ def atomic_write(
     first, so that nothing is written when it cannot fit; a refused write is a StorageError.
     """
     path = Path(path)
-    free = free_bytes(path.parent)
-    if needed is not None and free is not None and needed > free:
-        raise StorageError(storage_message(what, path, "not enough free space, nothing written", needed))
+    if needed is not None:
+        check_room(what, path, needed)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with writing(what, path, needed):
         try:

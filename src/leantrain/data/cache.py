@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from leantrain.checkpoint import capture_rng, restore_rng
 from leantrain.data.loader import NamedItemErrors
 from leantrain.errors import DataError, LeantrainError
-from leantrain.files import atomic_write_json
+from leantrain.files import atomic_write_json, check_room, writing
 from leantrain.runtime import seed_everything
 
 FORMAT = 1
@@ -246,12 +248,10 @@ def build_cache(
     size = expected["size"]
     structure, first = _flatten(dataset[0], f"{name} item 0")
     leaves = [leaf for leaf, _ in first]
-    arrays = [
-        np.lib.format.open_memmap(
-            folder / f"leaf{i}.npy", mode="w+", dtype=leaf.dtype, shape=(size, *leaf.shape)
-        )
-        for i, leaf in enumerate(leaves)
-    ]
+    needed = size * sum(np.dtype(leaf.dtype).itemsize * math.prod(leaf.shape) for leaf in leaves)
+    check_room("cache", folder, needed)
+    with writing("cache", folder, needed):
+        arrays = [_allocated_array(folder / f"leaf{i}.npy", leaf, size) for i, leaf in enumerate(leaves)]
     loader = DataLoader(
         NamedItemErrors(dataset, name), batch_size=64, num_workers=num_workers, collate_fn=list, shuffle=False
     )
@@ -277,6 +277,16 @@ def build_cache(
     }
     atomic_write_json(folder / MANIFEST, manifest)  # last: its presence marks a complete cache
     return manifest
+
+
+def _allocated_array(path: Path, leaf: Leaf, size: int) -> np.memmap:
+    """A memory-mapped array file with its disk space reserved: on a full disk, writing into a
+    sparse mapping kills the process with SIGBUS; reserving first gives an OSError instead."""
+    array = np.lib.format.open_memmap(path, mode="w+", dtype=leaf.dtype, shape=(size, *leaf.shape))
+    if hasattr(os, "posix_fallocate"):  # Linux; elsewhere the sparse file stays
+        with path.open("r+b") as handle:
+            os.posix_fallocate(handle.fileno(), 0, path.stat().st_size)
+    return array
 
 
 def _check_same_layout(
