@@ -188,3 +188,12 @@ def test_fuzz_every_field_ends_in_a_first_step_or_one_line(cli_run, tmp_path):
             outcome.assert_one_line_refusal()
 
     case()
+
+
+def test_launch_refuses_what_its_processes_could_not_hold_before_starting_them(cli_run, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    outcome = cli_run("launch", "--nproc-per-node", "2", *BASE, "--global-batch-size", "8", "--num-workers",
+                      "1000000")  # fmt: skip
+    bound = max_workers(2)[0]
+    outcome.assert_one_line_refusal(f"num_workers=1000000: at most {bound} on this machine")
+    cli_run("launch", "--nproc-per-node", "2", *BASE, "--out", "a_file").assert_one_line_refusal("is a file")
