@@ -54,6 +54,12 @@ class DataError(LeantrainError):
         super().__init__(message)
 
 
+class CollateError(DataError, TaskError):
+    """Items that load but cannot be put into one batch (None, or shapes that differ): the task's
+    dataset breaks the Task contract. A DataError too, so that when raised in a worker process it
+    keeps its one-line message (see DataError)."""
+
+
 class NonFiniteLossError(LeantrainError):
     """A step's loss or gradient was NaN or infinite (``on_nan="stop"``).
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from leantrain.errors import TaskError
+from leantrain.errors import LeantrainError, TaskError
 
 
 class LossSum(NamedTuple):
@@ -60,6 +61,45 @@ def check_task(task: Any, name: str) -> Any:
     if missing:
         raise TaskError(f"task {name} lacks the method(s) {', '.join(missing)} that lt.Task requires")
     return task
+
+
+def note_task_error(error: BaseException, method: str, where: str = "") -> None:
+    """Add one line to an error raised in the task's own code: the method, and where in the run.
+
+    The error keeps its type and traceback, so the user's ``except`` clauses and debugger see
+    their own exception; the traceback shows the note at its end. The engine's own errors
+    (LeantrainError) already say what is wrong, and get none.
+    """
+    if isinstance(error, LeantrainError):
+        return
+    line = f"leantrain: raised in {method}" + (f", {where}" if where else "")
+    if sys.version_info >= (3, 11):
+        error.add_note(line)
+    else:  # Python 3.10 has no add_note: set what it sets (pytest and the exceptiongroup backport print it)
+        error.__notes__ = [*getattr(error, "__notes__", []), line]
+
+
+# A batch described longer than this is cut: the note must stay one readable line.
+DESCRIBED_BATCH_CHARS = 200
+
+
+def describe_batch(batch: Any) -> str:
+    """A batch's structure in short: ``(float32[8, 4], int64[8])``, ``{x: float32[8, 4]}``."""
+    text = _described(batch)
+    if len(text) <= DESCRIBED_BATCH_CHARS:
+        return text
+    return text[: DESCRIBED_BATCH_CHARS - 3] + "..."
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{key}: {_described(inner)}" for key, inner in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        inside = ", ".join(_described(inner) for inner in value)
+        return f"[{inside}]" if isinstance(value, list) else f"({inside})"
+    return type(value).__name__
 
 
 def load_task(spec: str) -> Any:

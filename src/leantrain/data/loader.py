@@ -6,13 +6,13 @@ which spans every epoch, so worker processes never restart between epochs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from leantrain.errors import DataError, TaskError
+from leantrain.errors import CollateError, DataError, TaskError
 from leantrain.runtime import derived_seed, host_rng_seeded
 
 
@@ -71,6 +71,108 @@ class NamedItemErrors(Dataset):
         return DataError(f"{self.name} items {list(indices)} failed: {type(error).__name__}: {error}")
 
 
+class NamedBatches(NamedItemErrors):
+    """NamedItemErrors that also collates each batch, where the items' indices are known, so that
+    a batch that cannot be collated names the items at fault. The DataLoader's own collate step
+    (``_collated_already``) then only hands the batch on."""
+
+    def _load(self, indices: list[int]) -> Any:
+        return collate(super()._load(indices), indices, self.name)
+
+
+def _collated_already(batch: Any) -> Any:
+    return batch
+
+
+def collate(items: list[Any], indices: Sequence[int], name: str) -> Any:
+    """``default_collate(items)``; a CollateError naming the items at fault when they cannot be batched.
+
+    The items are only inspected once collation failed: a batch that collates costs nothing more.
+    """
+    try:
+        return default_collate(items)
+    except Exception as error:
+        raise CollateError(_why_not_batched(items, indices, name, error)) from error
+
+
+def _why_not_batched(items: list[Any], indices: Sequence[int], name: str, error: Exception) -> str:
+    # Not strict: a dataset's own __getitems__ may have returned fewer items than asked for.
+    for index, item in zip(indices, items, strict=False):
+        field = _none_field(item, "")
+        if field is not None:
+            what = f"has None at field {field}" if field else "is None"
+            return (
+                f"{name} item {index} {what}: __getitem__ must return a tensor, a number, or a "
+                "tuple/list/dict of them, never None; fix that item or leave it out of the dataset"
+            )
+    for index, item in zip(indices[1:], items[1:], strict=False):
+        found = _difference(items[0], item, "")
+        if found is not None:
+            field, first, other = found
+            where = f" at field {field}" if field else ""
+            return (
+                f"{name} items {indices[0]} and {index} differ{where}: {first} vs {other}; the items "
+                "of a batch must have the same shapes: pad them in __getitem__ to one length (and "
+                "have task.loss return an lt.LossSum over the real elements, so the padding is not counted)"
+            )
+    reason = " ".join(str(error).split())
+    return f"{name} items {list(indices)} cannot be put into one batch: {type(error).__name__}: {reason}"
+
+
+def _none_field(value: Any, field: str) -> str | None:
+    """Where ``value`` holds None: ``""`` for itself, ``"[1]"`` for its second field; None if nowhere."""
+    if value is None:
+        return field
+    for key, inner in _fields(value):
+        found = _none_field(inner, f"{field}[{key!r}]")
+        if found is not None:
+            return found
+    return None
+
+
+def _difference(first: Any, other: Any, field: str) -> tuple[str, str, str] | None:
+    """The first field where two items differ in a way that stops them being stacked:
+    (field, what the first has, what the other has); None when nothing does."""
+    shapes = getattr(first, "shape", None), getattr(other, "shape", None)  # tensors and NumPy arrays
+    if shapes[0] is not None and shapes[1] is not None:
+        same = tuple(shapes[0]) == tuple(shapes[1])
+        return None if same else (field, f"shape {list(shapes[0])}", f"shape {list(shapes[1])}")
+    kinds = _kind(first), _kind(other)
+    if kinds[0] != kinds[1]:
+        return field, type(first).__name__, type(other).__name__
+    if kinds[0] == "mapping" and first.keys() != other.keys():
+        return field, f"keys {sorted(map(str, first))}", f"keys {sorted(map(str, other))}"
+    if kinds[0] == "sequence" and len(first) != len(other):
+        return field, f"length {len(first)}", f"length {len(other)}"
+    for key, inner in _fields(first):
+        found = _difference(inner, other[key], f"{field}[{key!r}]")
+        if found is not None:
+            return found
+    return None
+
+
+def _kind(value: Any) -> str:
+    """What collation treats alike: arrays, mappings, sequences, and single values (numbers, strings)."""
+    if getattr(value, "shape", None) is not None:
+        return "array"
+    if isinstance(value, Mapping):
+        return "mapping"
+    return "sequence" if _is_sequence(value) else "value"
+
+
+def _fields(value: Any) -> Iterable[tuple[Any, Any]]:
+    """(key, value) of each field of a dict, tuple or list; nothing for anything else."""
+    if isinstance(value, Mapping):
+        return value.items()
+    if _is_sequence(value):
+        return enumerate(value)
+    return ()
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, (list, tuple))
+
+
 def check_map_style(dataset: Any, name: str) -> int:
     """The dataset's length; TaskError when it is not a sized map-style dataset."""
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
@@ -94,10 +196,11 @@ def build_loader(
 ) -> DataLoader:
     """A DataLoader over ``dataset`` with item errors named; workers stay alive across epochs."""
     return DataLoader(
-        NamedItemErrors(dataset, name, seed),
+        NamedBatches(dataset, name, seed),
         batch_sampler=batch_sampler,
         batch_size=batch_size if batch_sampler is None else 1,
         shuffle=False,
+        collate_fn=_collated_already,
         num_workers=num_workers,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor,

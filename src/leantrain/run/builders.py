@@ -15,17 +15,17 @@ rebuild calls ``strategy.reset_after_out_of_memory`` and ``data.build.build_trai
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils.data import default_collate
 
 from leantrain.blocks import BlockPolicy
 from leantrain.config import TrainConfig
-from leantrain.data.loader import move_to_device
+from leantrain.data.loader import collate, move_to_device
 from leantrain.data.sampler import steps_per_epoch
-from leantrain.errors import TaskError
+from leantrain.errors import LeantrainWarning, TaskError
 from leantrain.memory.adaptive import scale_learning_rates
 from leantrain.memory.estimate import fewest_checkpointed_blocks, first_items
 from leantrain.memory.recompute import apply_activation_checkpointing
@@ -34,6 +34,7 @@ from leantrain.step.batching import BatchSplit
 from leantrain.step.precision import Precision, make_precision
 from leantrain.strategies.base import Example, Strategy
 from leantrain.strategies.dims import ParallelDims
+from leantrain.task import note_task_error
 from leantrain.units import parse_bytes
 
 
@@ -55,10 +56,7 @@ def build_model(
     instruments: Instruments,
 ) -> ModelParts:
     """Precision first (before any wrapper), then activation checkpointing."""
-    model = task.model()
-    if not isinstance(model, nn.Module):
-        raise TaskError(f"task.model() must return a torch.nn.Module, got {type(model).__name__}")
-    model = model.to(strategy.build_device(device))
+    model = _task_model(task).to(strategy.build_device(device))
     precision = instruments.precision(make_precision(cfg.precision, device))
     prepared = precision.prepare(model)
     notes = []
@@ -71,11 +69,31 @@ def build_model(
     return ModelParts(model, precision, prepared, policy, recomputed, notes)
 
 
+def _task_model(task: Any) -> nn.Module:
+    """``task.model()``, checked: a Module with something to train."""
+    try:
+        model = task.model()
+    except Exception as error:
+        note_task_error(error, "task.model()")
+        raise
+    if not isinstance(model, nn.Module):
+        raise TaskError(f"task.model() must return a torch.nn.Module, got {type(model).__name__}")
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        held = f"{len(params)} parameters, all with requires_grad=False" if params else "no parameters at all"
+        raise TaskError(
+            f"task.model() has no trainable parameters ({held}): the optimizer would have nothing to "
+            "update; return a model with at least one parameter that requires grad"
+        )
+    return model
+
+
 def example_of(task: Any, dataset: Any, split: BatchSplit, device: torch.device) -> Example:
     """The task's loss and one micro-batch of ``dataset`` on the device (loaded when asked)."""
 
     def first_batch() -> Any:
-        return move_to_device(default_collate(first_items(dataset, split.micro_batch_size)), device)
+        items = first_items(dataset, split.micro_batch_size)
+        return move_to_device(collate(items, range(len(items)), "train_data"), device)
 
     return Example(task.loss, first_batch)
 
@@ -107,13 +125,49 @@ def build_optimization(
     task: Any, cfg: TrainConfig, strategy: Strategy, prepared: list[nn.Parameter]
 ) -> Optimization:
     params = strategy.optimizer_params(prepared)
-    optimizer = task.optimizer(iter(params))
+    try:
+        optimizer = task.optimizer(iter(params))
+    except Exception as error:
+        note_task_error(error, "task.optimizer(params)")
+        raise
+    _check_optimizer_holds(optimizer, params)
     notes = []
     if cfg.lr_scaling != "none":  # before the scheduler, which records the base learning rates
         notes.append(scale_learning_rates(optimizer, cfg))
     scheduler_fn = getattr(task, "scheduler", None)
     scheduler = scheduler_fn(optimizer) if callable(scheduler_fn) else None
     return Optimization(params, optimizer, scheduler, notes)
+
+
+def _check_optimizer_holds(optimizer: Any, params: list[nn.Parameter]) -> None:
+    """TaskError when the optimizer updates tensors it was not given; a warning when it leaves
+    trainable ones out. By identity: under fsdp or 16-true the engine gives the optimizer other
+    tensors than the model's parameters (shards, fp32 masters), and an optimizer built over the
+    model's own would train nothing."""
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:
+        raise TaskError(
+            f"task.optimizer(params) must return a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    given = {id(p) for p in params}
+    held = {id(p) for group in groups for p in group["params"]}
+    foreign = len(held - given)
+    if foreign:
+        raise TaskError(
+            f"task.optimizer(params) built an optimizer over {foreign} tensor(s) that are not among the "
+            f"{len(params)} parameters it was given: build it over the params it receives, not "
+            "model.parameters() (under fsdp or 16-true the engine passes other tensors)"
+        )
+    trainable = [p for p in params if p.requires_grad]
+    left_out = sum(id(p) not in held for p in trainable)
+    if left_out:
+        warnings.warn(
+            f"task.optimizer(params) holds {len(trainable) - left_out} of the {len(trainable)} trainable "
+            f"parameters it was given: {left_out} are left untrained; build it over every parameter it "
+            "receives (or freeze those with requires_grad_(False))",
+            LeantrainWarning,
+            stacklevel=2,
+        )
 
 
 def schedule_length(cfg: TrainConfig, dataset_size: int | None, split: BatchSplit) -> tuple[int | None, int]:

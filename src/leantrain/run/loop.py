@@ -47,7 +47,7 @@ from leantrain.runtime import (
     peak_memory_bytes,
     seed_everything,
 )
-from leantrain.step.accumulator import Accumulator, StepOutcome, StepStatus
+from leantrain.step.accumulator import Accumulator, StepOutcome, StepStatus, TaskLoss
 from leantrain.step.batching import BatchSplit
 from leantrain.step.evaluation import evaluate
 from leantrain.step.losses import LossTracker
@@ -171,7 +171,8 @@ class Run(RunState):
 
     def train(self, callbacks: Sequence[Callback], signals: StopSignals) -> None:
         cfg, optimizer = self.cfg, self.optimizer
-        loss_fn = self.instruments.loss(self.sizer.enforce_budget(_with_augmentation(self.task)))
+        task_loss = TaskLoss(self.task)
+        loss_fn = self.instruments.loss(self.sizer.enforce_budget(task_loss))
         batches = self._device_batches()
         self.strategy.module.train()
         if self.saved_rng is not None:
@@ -179,7 +180,7 @@ class Run(RunState):
         step_hooks = [callback.on_step for callback in callbacks if hasattr(callback, "on_step")]
         # The first step's first micro-batch counts what autograd saves (see memory/accountant.py).
         saved = SavedActivations(self.model.parameters(), self.sizer.activation_limit)
-        measured_loss = _measured_once(_with_augmentation(self.task), saved, loss_fn)
+        measured_loss = _measured_once(task_loss, saved, loss_fn)
         window_started = time.perf_counter()
         window_first_step = self.start_step
         step = self.start_step
@@ -187,10 +188,11 @@ class Run(RunState):
             done = step + 1
             log_due = done % cfg.log_every_n_steps == 0 or done == self.total_steps
             step_loss = measured_loss if self.memory is None else loss_fn
+            task_loss.start_step(done, self.split.accumulation_steps)
             outcome = self.accumulator.step(optimizer, step_loss, batches, step, self.tracker, log_due)
             if outcome.status is StepStatus.OUT_OF_MEMORY:
                 batches = self._shrink_micro_batch(step, "out of memory")  # and the same step again
-                measured_loss = _measured_once(_with_augmentation(self.task), saved, loss_fn)
+                measured_loss = _measured_once(task_loss, saved, loss_fn)
                 continue
             if self.memory is None:
                 self._account_memory(saved.bytes)
@@ -362,16 +364,3 @@ def _measured_once(loss_fn: Any, saved: SavedActivations, later: Any) -> Any:
             return loss_fn(model, batch)
 
     return measured
-
-
-def _with_augmentation(task: Any) -> Any:
-    """The task's loss, applied to ``task.augment(batch)`` when the task has ``augment``."""
-    augment = getattr(task, "augment", None)
-    if not callable(augment):
-        return task.loss
-    loss = task.loss
-
-    def augmented_loss(model: nn.Module, batch: Any) -> Any:
-        return loss(model, augment(batch))
-
-    return augmented_loss

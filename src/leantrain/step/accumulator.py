@@ -28,7 +28,7 @@ from leantrain.errors import LeantrainError, TaskError
 from leantrain.step.batching import BatchSplit
 from leantrain.step.losses import LossTracker
 from leantrain.step.precision import GradReport, Precision
-from leantrain.task import LossSum
+from leantrain.task import LossSum, describe_batch, note_task_error
 
 
 class StepStatus(enum.Enum):
@@ -65,6 +65,51 @@ class MicroLoss(NamedTuple):
 
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | LossSum"]
 TermFn = Callable[[Any, int], MicroLoss]
+
+
+class TaskLoss:
+    """A micro-batch's loss as the strategies call it: ``task.loss(model, batch)``, of
+    ``task.augment(batch)`` when the task has ``augment``.
+
+    An error raised in either keeps its type and traceback and gets one note: the method, the
+    optimizer step, the micro-batch and the batch's shapes. Only a failure formats anything; a
+    call that succeeds pays a counter. Every strategy calls the loss on the micro-batches in
+    order; a pipeline's last stage calls it once more on its first micro-batch when it starts
+    (torch's shape inference), so calls are counted by batch: a call on the batch of the call
+    before is the same micro-batch. Ids suffice: the batch of the call before is still alive
+    when the next one is made.
+    """
+
+    def __init__(self, task: Any) -> None:
+        self.loss = task.loss
+        augment = getattr(task, "augment", None)
+        self.augment = augment if callable(augment) else None
+        self.step = self.micro = self.count = 0
+        self.last_batch = 0  # the id of the batch of the call before
+
+    def start_step(self, step: int, count: int) -> None:
+        """Before optimizer step ``step`` (1-based) of ``count`` micro-batches, and each retry of it."""
+        self.step, self.micro, self.count, self.last_batch = step, 0, count, 0
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor | LossSum:
+        if id(batch) != self.last_batch:
+            self.micro += 1
+            self.last_batch = id(batch)
+        if self.augment is not None:
+            try:
+                batch = self.augment(batch)
+            except Exception as error:
+                self._note(error, "task.augment", batch)
+                raise
+        try:
+            return self.loss(model, batch)
+        except Exception as error:
+            self._note(error, "task.loss", batch)
+            raise
+
+    def _note(self, error: Exception, method: str, batch: Any) -> None:
+        where = f"at optimizer step {self.step}, micro-batch {self.micro} of {self.count}"
+        note_task_error(error, method, f"{where}; batch: {describe_batch(batch)}")
 
 
 class StepStrategy(Protocol):
@@ -191,10 +236,16 @@ class Accumulator:
 
     def _term(self, loss: Any, micro: int) -> MicroLoss:
         """The tensor to run backward on for one micro-batch's loss, and what to log of it."""
+        # Backward fails on a loss without a graph anyway, in words that do not say why; reading
+        # requires_grad costs no device sync.
         if isinstance(loss, LossSum):
             _check_scalar(loss.sum, "LossSum.sum")
+            if not loss.sum.requires_grad:
+                raise _not_differentiable("an lt.LossSum whose sum")
             return MicroLoss(loss.sum, loss.sum.detach(), loss.count, self.split.micro_batch_size)
         _check_scalar(loss, "task.loss")
+        if not loss.requires_grad:
+            raise _not_differentiable("a loss")
         # Skipping the multiply when the weight is 1 keeps the single-batch path as lean
         # as a hand-written loop.
         term = loss if self.mean_loss_weight == 1 else loss * self.mean_loss_weight
@@ -301,3 +352,11 @@ def _check_scalar(value: Any, what: str) -> None:
         raise TaskError(f"{what} must be a tensor or lt.LossSum, got {type(value).__name__}")
     if value.dim() != 0:
         raise TaskError(f"{what} must be a scalar tensor, got shape {tuple(value.shape)}")
+
+
+def _not_differentiable(what: str) -> TaskError:
+    return TaskError(
+        f"task.loss returned {what} that does not require grad (no grad_fn): it was computed under "
+        "torch.no_grad()/inference_mode, or detached (.detach(), .item(), a new tensor), or only from "
+        "frozen parameters; compute it from the model's output with autograd on"
+    )

@@ -68,7 +68,10 @@ def shared_names(model: nn.Module) -> list[list[str]]:
     return [names for names in by_tensor.values() if len(names) > 1]
 
 
-class _Captured(Exception):
+class _Captured(BaseException):
+    """Not an Exception: ``except Exception`` in the task's loss, or around it (the engine's notes
+    on errors raised in the task's code), must let it through."""
+
     def __init__(self, args: tuple, kwargs: dict) -> None:
         super().__init__("captured")
         self.args, self.kwargs = args, kwargs

@@ -1,0 +1,283 @@
+"""The Task contract, checked where the engine first uses each method: one TaskError line naming
+the method and the fix, or, for an error raised in the task's own code, the original exception
+with a note saying where it happened."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+import leantrain as lt
+from leantrain.data.loader import collate
+from leantrain.errors import DataError, LeantrainWarning, TaskError
+from leantrain.step.accumulator import TaskLoss
+from leantrain.task import note_task_error
+
+
+class Linear:
+    """The smallest task: a 4 -> 1 linear regression on 16 samples."""
+
+    def model(self) -> nn.Module:
+        return nn.Linear(4, 1)
+
+    def train_data(self) -> Dataset:
+        gen = torch.Generator().manual_seed(0)
+        return TensorDataset(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen))
+
+    def loss(self, model, batch):
+        x, y = batch
+        return ((model(x) - y) ** 2).mean()
+
+    def optimizer(self, params):
+        return torch.optim.SGD(params, lr=0.1)
+
+
+class Items(Dataset):
+    """16 items (x[4], y[1]); item 5 is None, or item 3's x is one longer (ragged)."""
+
+    def __init__(self, broken: str) -> None:
+        self.broken = broken
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int):
+        if self.broken == "none" and index == 5:
+            return None
+        length = 5 if self.broken == "ragged" and index == 3 else 4
+        return torch.zeros(length), torch.zeros(1)
+
+
+class BrokenItems(Linear):
+    def __init__(self, broken: str) -> None:
+        self.broken = broken
+
+    def train_data(self) -> Dataset:
+        return Items(self.broken)
+
+
+def train(fit, task, **fields):
+    fields = {"max_steps": 2, "global_batch_size": 8, "shuffle": False, **fields}
+    return fit(task, **fields)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_none_item_names_the_dataset_and_its_index(fit, workers):
+    with pytest.raises(TaskError) as caught:
+        train(fit, BrokenItems("none"), num_workers=workers)
+    assert isinstance(caught.value, DataError)  # a worker's traceback is reduced to the line
+    assert str(caught.value).startswith("train_data item 5 is None: __getitem__ must return a tensor")
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_ragged_items_name_both_items_the_field_their_shapes_and_the_remedy(fit, workers):
+    with pytest.raises(TaskError) as caught:
+        train(fit, BrokenItems("ragged"), num_workers=workers)
+    message = str(caught.value)
+    assert message.startswith("train_data items 0 and 3 differ at field [0]: shape [4] vs shape [5]")
+    assert "pad them in __getitem__" in message and "lt.LossSum" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        ([{"x": torch.zeros(2)}, {"x": None}], "val_data item 11 has None at field ['x']"),
+        ([{"x": torch.zeros(2)}, {"x": torch.zeros(3)}], "items 10 and 11 differ at field ['x']"),
+        ([[1, 2], [1, 2, 3]], "items 10 and 11 differ: length 2 vs length 3"),
+    ],
+)
+def test_collate_names_the_field_at_fault(items, message):
+    with pytest.raises(TaskError, match=message.replace("[", r"\[")):
+        collate(items, [10, 11], "val_data")
+
+
+class NoGrad(Linear):
+    def __init__(self, loss_sum: bool) -> None:
+        self.loss_sum = loss_sum
+
+    def loss(self, model, batch):
+        with torch.no_grad():
+            loss = super().loss(model, batch)
+        return lt.LossSum(loss * 8, 8) if self.loss_sum else loss
+
+
+@pytest.mark.parametrize("loss_sum", [False, True])
+def test_a_loss_without_grad_fn_says_how_it_lost_it(fit, loss_sum):
+    with pytest.raises(TaskError, match=r"task\.loss returned .* does not require grad") as caught:
+        train(fit, NoGrad(loss_sum))
+    assert "(no grad_fn): it was computed under torch.no_grad()" in str(caught.value)
+
+
+class Identity(Linear):
+    def model(self) -> nn.Module:
+        return nn.Identity()
+
+    def loss(self, model, batch):
+        x, y = batch
+        return (model(x).sum(1, keepdim=True) - y).pow(2).mean()
+
+
+class Frozen(Linear):
+    def model(self) -> nn.Module:
+        return nn.Linear(4, 1).requires_grad_(False)
+
+
+@pytest.mark.parametrize(
+    ("task", "held"),
+    [(Identity(), "(no parameters at all)"), (Frozen(), "(2 parameters, all with requires_grad=False)")],
+)
+def test_a_model_with_nothing_to_train_is_refused_when_built(fit, task, held):
+    with pytest.raises(TaskError) as caught:
+        train(fit, task)
+    assert str(caught.value).startswith(f"task.model() has no trainable parameters {held}")
+
+
+class ForeignOptimizer(Linear):
+    def optimizer(self, params):
+        list(params)
+        return torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1)
+
+
+def test_an_optimizer_over_tensors_it_was_not_given_is_refused(fit):
+    with pytest.raises(TaskError) as caught:
+        train(fit, ForeignOptimizer())
+    message = str(caught.value)
+    assert message.startswith("task.optimizer(params) built an optimizer over 1 tensor(s) that are not among")
+    assert "not model.parameters()" in message
+
+
+class PartialOptimizer(Linear):
+    """The optimizer takes the weight only; with ``frozen_bias`` the bias is frozen anyway."""
+
+    def __init__(self, frozen_bias: bool) -> None:
+        self.frozen_bias = frozen_bias
+
+    def model(self) -> nn.Module:
+        model = nn.Linear(4, 1)
+        model.bias.requires_grad_(not self.frozen_bias)
+        return model
+
+    def optimizer(self, params):
+        weight, _bias = params
+        return torch.optim.SGD([weight], lr=0.1)
+
+
+def test_an_optimizer_that_leaves_trainable_parameters_out_is_warned_about(fit):
+    with pytest.warns(LeantrainWarning, match=r"holds 1 of the 2 trainable parameters .* 1 are left"):
+        train(fit, PartialOptimizer(frozen_bias=False), max_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LeantrainWarning)  # a frozen parameter left out is no mistake
+        train(fit, PartialOptimizer(frozen_bias=True), max_steps=1)
+
+
+class FailsAtCall(Linear):
+    """Its ``method`` raises the user's own error on call ``at`` (1-based), as a bug would."""
+
+    def __init__(self, method: str, at: int = 1) -> None:
+        self.method, self.at, self.calls = method, at, 0
+
+    def _maybe_fail(self, method: str) -> None:
+        if method == self.method:
+            self.calls += 1
+            if self.calls == self.at:
+                raise KeyError("the user's bug")
+
+    def model(self):
+        self._maybe_fail("model")
+        return super().model()
+
+    def optimizer(self, params):
+        self._maybe_fail("optimizer")
+        return super().optimizer(params)
+
+    def loss(self, model, batch):
+        self._maybe_fail("loss")
+        return super().loss(model, batch)
+
+    def augment(self, batch):
+        self._maybe_fail("augment")
+        return batch
+
+    def train_data(self):
+        self._maybe_fail("train_data")
+        return super().train_data()
+
+    def val_data(self):
+        self._maybe_fail("val_data")
+        return super().train_data()
+
+    def metrics(self, model, batch):
+        self._maybe_fail("metrics")
+        return {}
+
+
+def test_an_error_in_the_users_loss_keeps_its_type_and_says_where(fit):
+    """The fourth loss call: step 2, micro-batch 2 of 2 (micro-batches of 4)."""
+    with pytest.raises(KeyError, match="the user's bug") as caught:
+        train(fit, FailsAtCall("loss", at=4), micro_batch_size=4)
+    (note,) = caught.value.__notes__
+    assert note == (
+        "leantrain: raised in task.loss, at optimizer step 2, micro-batch 2 of 2; "
+        "batch: [float32[4, 4], float32[4, 1]]"
+    )
+
+
+def test_the_users_shape_bug_keeps_torchs_error_and_gets_the_note(fit):
+    class UserBug(Linear):
+        def loss(self, model, batch):
+            x, y = batch
+            return ((model(x.T) - y) ** 2).mean()
+
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied") as caught:
+        train(fit, UserBug())
+    (note,) = caught.value.__notes__
+    assert note.startswith("leantrain: raised in task.loss, at optimizer step 1, micro-batch 1 of 1")
+    assert "float32[8, 4], float32[8, 1]" in note
+
+
+@pytest.mark.parametrize(
+    ("method", "note"),
+    [
+        ("model", "leantrain: raised in task.model()"),
+        ("train_data", "leantrain: raised in task.train_data()"),
+        ("val_data", "leantrain: raised in task.val_data()"),
+        ("optimizer", "leantrain: raised in task.optimizer(params)"),
+        ("augment", "leantrain: raised in task.augment, at optimizer step 1, micro-batch 1 of 1; batch: ["),
+        ("metrics", "leantrain: raised in task.metrics, in validation; batch: [float32[8, 4], float32["),
+    ],
+)
+def test_errors_in_the_other_task_methods_name_the_method(fit, method, note):
+    with pytest.raises(KeyError) as caught:
+        train(fit, FailsAtCall(method), max_steps=1)
+    (added,) = caught.value.__notes__
+    assert added.startswith(note)
+
+
+def test_the_engines_own_errors_get_no_note():
+    """A LeantrainError raised during a task call (the memory budget's, say) says what is wrong already."""
+    engine, users = TaskError("over the memory budget"), KeyError("x")
+    for error in (engine, users):
+        note_task_error(error, "task.loss")
+    assert not hasattr(engine, "__notes__")
+    assert users.__notes__ == ["leantrain: raised in task.loss"]
+
+
+def test_a_second_call_on_the_same_batch_is_the_same_micro_batch():
+    """A pipeline's last stage calls the loss twice on its first micro-batch when it starts."""
+    task_loss = TaskLoss(FailsAtCall("loss", at=3))
+    task_loss.start_step(3, 2)
+    first, second = (torch.zeros(2, 4), torch.zeros(2, 1)), (torch.ones(2, 4), torch.ones(2, 1))
+    model = nn.Linear(4, 1)
+    task_loss(model, first)
+    task_loss(model, first)
+    with pytest.raises(KeyError) as caught:
+        task_loss(model, second)
+    assert (
+        "at optimizer step 3, micro-batch 2 of 2; batch: (float32[2, 4], float32[2, 1])"
+        in caught.value.__notes__[0]
+    )
