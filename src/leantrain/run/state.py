@@ -25,6 +25,7 @@ from leantrain.checkpoint import (
 from leantrain.cluster import ClusterEnv
 from leantrain.config import TrainConfig
 from leantrain.errors import CheckpointError
+from leantrain.files import writing
 from leantrain.step.batching import BatchSplit
 from leantrain.step.losses import LossTracker
 from leantrain.step.precision import Precision
@@ -61,7 +62,8 @@ class RunState:
         shards = None
         if self.strategy.sharded:  # every rank writes its shards first; the file below comes last
             shards = self.checkpoints.shard_folder(done)
-            self.strategy.save_sharded(shards, self.optimizer)
+            with writing("checkpoint shards", shards):
+                self.strategy.save_sharded(shards, self.optimizer)
         if not self.env.is_main:
             return path
         state = {
