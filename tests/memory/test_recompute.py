@@ -74,12 +74,18 @@ def test_a_policy_that_names_nothing_in_the_model_is_a_clear_error(text, message
         matching_blocks(model, BlockPolicy.parse(text))
 
 
-def test_checkpointing_is_off_in_evaluation():
-    model = small_charlm().model()
+def test_checkpointing_recomputes_in_training_only():
+    """Recomputation runs a block's forward a second time in backward; in evaluation (even with
+    grad on, as for input attributions) a block must run once: nothing is saved to trade."""
+    model = small_charlm(dropout=0.0).model()
     apply_activation_checkpointing(model, BlockPolicy.parse("Block"))
-    model.eval()
-    with torch.no_grad():
-        assert model(torch.zeros(1, 8, dtype=torch.long)).shape[:2] == (1, 8)
+    calls = []
+    model.blocks[0].qkv.register_forward_hook(lambda module, args, output: calls.append(module.training))
+    for training in (True, False):
+        model.train(training)
+        calls.clear()
+        model(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
+        assert len(calls) == (2 if training else 1)
 
 
 @pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
