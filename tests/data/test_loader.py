@@ -56,6 +56,18 @@ def test_augmentation_follows_the_micro_batch_position_not_the_loading_process()
         assert all(torch.equal(a, b) for a, b in zip(reference, other, strict=True))
 
 
+def test_each_rank_and_micro_batch_draws_its_own_augmentation():
+    """Seeded from the step alone, the two ranks' micro-batches of a step (and the two micro-batches
+    of a rank's step) would draw the same random numbers: augmentation repeated across the batch."""
+    split = BatchSplit(16, 4, world_size=2)  # per step: 2 ranks x 2 micro-batches
+    draws = []
+    for rank in (0, 1):
+        sampler = GlobalBatchSampler(24, split, total_steps=3, seed=3, rank=rank)
+        draws += [b[:, 1:] for b in build_loader(NoisyItems(), "train_data", batch_sampler=sampler, seed=3)]
+    assert len(draws) == 2 * 3 * 2
+    assert len({tuple(d[0].tolist()) for d in draws}) == len(draws)  # every micro-batch draws anew
+
+
 def test_loading_in_the_main_process_leaves_the_training_steps_random_stream_alone():
     """Torch's CPU generator is the training step's (CPU dropout, ``augment``): loading must not
     shift it, however many micro-batches it loads."""

@@ -34,10 +34,11 @@ def test_the_plan_matches_what_a_real_cpu_step_holds(fit, name, precision):
     for row in plan.rows[1::2]:  # micro-batches 2 and 8
         real = fit(TASKS[name](), global_batch_size=16, micro_batch_size=row.micro_batch_size, max_steps=1,
                    precision=precision)  # fmt: skip
-        assert abs(row.memory.activation_bytes - real.activation_bytes) <= 0.1 * real.activation_bytes
+        # Exact, as docs/memory.md says: the plan runs the same step on fake tensors.
+        assert row.memory.activation_bytes == real.activation_bytes
         assert row.memory.params_bytes == real.params_bytes
         assert row.memory.grads_bytes == real.grads_bytes
-        assert abs(row.memory.optimizer_bytes - real.optimizer_bytes) <= 0.01 * real.optimizer_bytes
+        assert row.memory.optimizer_bytes == real.optimizer_bytes
     activations = [row.memory.activation_bytes for row in plan.rows]
     assert activations == sorted(activations) and activations[-1] > activations[0]
 
