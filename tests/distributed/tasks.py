@@ -112,3 +112,29 @@ def heavy_on_rank1_later() -> HeavyFromStep:
 def heavy_on_rank1() -> HeavyFromStep:
     """Rank 1's micro-batches need more memory from the start; rank 0's never do."""
     return HeavyFromStep(heavy=True, rank=1)
+
+
+class ReduceDtypeProbe(RegressionTask):
+    """``mean_task_fp32`` whose optimizer, before its first step, writes how many of the gradient
+    elements this rank holds are bf16 values, into ``$LEANTRAIN_PROBE/rank<R>.txt``. Gradients
+    computed in bf16 and reduced in bf16 are all bf16 values; reduced in fp32, the average of
+    two ranks' bf16 values mostly is not."""
+
+    def __init__(self) -> None:
+        super().__init__(loss_kind="mean", dtype=torch.float32)
+
+    def optimizer(self, params):
+        optimizer = super().optimizer(params)
+        probe = Path(os.environ["LEANTRAIN_PROBE"]) / f"rank{os.environ.get('RANK', '0')}.txt"
+
+        def record(optimizer, args, kwargs) -> None:
+            if probe.exists():
+                return
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]  # shards
+            flat = torch.cat([g.flatten() for g in local])
+            in_bf16 = int((flat.to(torch.bfloat16).float() == flat).sum())
+            probe.write_text(f"{in_bf16} {flat.numel()}")
+
+        optimizer.register_step_pre_hook(record)
+        return optimizer

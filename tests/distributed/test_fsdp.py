@@ -53,12 +53,16 @@ def test_a_killed_sharded_run_resumes_bit_identical(tmp_path):
     ]
 
 
-def test_fsdp_bf16_mixed_computes_in_bf16_and_follows_the_fp32_run(tmp_path):
+def test_fsdp_bf16_mixed_computes_in_bf16_and_follows_the_fp32_run(tmp_path, monkeypatch):
     """bf16-mixed through FSDP's policy: bf16 compute, fp32 shards and reductions. Not equal to
     fp32 (bf16 keeps ~3 digits), but it must follow it closely and leave the fp32 masters fp32."""
+    monkeypatch.setenv("LEANTRAIN_PROBE", str(tmp_path))
     fp32 = train(tmp_path / "fp32", "mean_task_fp32", "--micro-batch-size", "16")
-    bf16 = train(tmp_path / "bf16", "mean_task_fp32", "--strategy", "fsdp", "--precision", "bf16-mixed",
+    bf16 = train(tmp_path / "bf16", "ReduceDtypeProbe", "--strategy", "fsdp", "--precision", "bf16-mixed",
                  processes=2)  # fmt: skip
     assert all(bf16[name].dtype == torch.float32 for name in bf16)
     differences = [float((bf16[name] - fp32[name]).abs().max()) for name in fp32]
     assert 0 < max(differences) < 0.02, differences
+    for rank in (0, 1):  # reduced in fp32: the ranks' bf16 gradients averaged with more than bf16's bits
+        in_bf16, elements = map(int, (tmp_path / f"rank{rank}.txt").read_text().split())
+        assert in_bf16 < 0.9 * elements, (rank, in_bf16, elements)
