@@ -10,6 +10,7 @@ from leantrain.errors import (
     LeantrainWarning,
     NonFiniteLossError,
     RunInterrupted,
+    StorageError,
     TaskError,
 )
 from leantrain.task import LossSum, Task, load_task
@@ -27,6 +28,7 @@ __all__ = [
     "NonFiniteLossError",
     "RunInterrupted",
     "StepStats",
+    "StorageError",
     "Task",
     "TaskError",
     "TrainConfig",
