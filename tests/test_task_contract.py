@@ -9,11 +9,12 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 import leantrain as lt
 from leantrain.data.loader import collate
 from leantrain.errors import DataError, LeantrainWarning, TaskError
+from leantrain.memory.estimate import estimate_memory
 from leantrain.step.accumulator import TaskLoss
 from leantrain.task import note_task_error
 
@@ -81,6 +82,25 @@ def test_ragged_items_name_both_items_the_field_their_shapes_and_the_remedy(fit,
     assert message.startswith("train_data items 0 and 3 differ at field [0]: shape [4] vs shape [5]")
     assert "pad them in __getitem__" in message and "lt.LossSum" in message
     assert "\n" not in message
+
+
+class RaggedStream(BrokenItems):
+    """The ragged items as a stream (no __len__): batched by the stream's shard, not the loader."""
+
+    def train_data(self):
+        items = Items(self.broken)
+
+        class Stream(IterableDataset):
+            def __iter__(inner):
+                return (items[i] for i in range(len(items)))
+
+        return Stream()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_ragged_stream_items_name_their_positions(fit, workers):
+    with pytest.raises(TaskError, match=r"^train_data items 0 and 3 differ at field \[0\]: shape \[4\]"):
+        train(fit, RaggedStream("ragged"), num_workers=workers)
 
 
 @pytest.mark.parametrize(
@@ -281,3 +301,8 @@ def test_a_second_call_on_the_same_batch_is_the_same_micro_batch():
         "at optimizer step 3, micro-batch 2 of 2; batch: (float32[2, 4], float32[2, 1])"
         in caught.value.__notes__[0]
     )
+
+
+def test_the_plan_names_ragged_items_too():
+    with pytest.raises(TaskError, match=r"^train_data items 0 and 3 differ at field \[0\]"):
+        estimate_memory(BrokenItems("ragged"), lt.TrainConfig(global_batch_size=8))

@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import IterableDataset, default_collate, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
+from leantrain.data.loader import collate
 from leantrain.errors import DataError, TaskError
 from leantrain.step.batching import BatchSplit
 
@@ -93,17 +94,18 @@ class StreamShard(IterableDataset):
             step = epoch * epoch_steps
         while step < self.total_steps:
             steps_before = step
-            pending: dict[int, list[Any]] = {}  # micro-batch number in this step -> items
+            pending: dict[int, list[Any]] = {}  # micro-batch number in this step -> (position, item)
             for position, item in _items(self.dataset, self.name, epoch):
                 offset = position % batch_split.global_batch_size
                 if step >= self.start_step and offset in mine:
                     micro = (offset - first) // batch_split.micro_batch_size
                     number = (step - self.start_step) * batch_split.accumulation_steps + micro
                     if number % workers == worker:
-                        pending.setdefault(micro, []).append(item)
+                        pending.setdefault(micro, []).append((position, item))
                 if offset == batch_split.global_batch_size - 1:  # the global batch is complete
                     for micro in sorted(pending):
-                        yield default_collate(pending[micro])
+                        positions, items = zip(*pending[micro], strict=True)
+                        yield collate(list(items), positions, self.name)
                     pending = {}
                     step += 1
                     if step == self.total_steps:

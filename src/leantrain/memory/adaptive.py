@@ -22,12 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import default_collate
 
 from leantrain.checkpoint import capture_rng, restore_rng
 from leantrain.cluster import ClusterEnv
 from leantrain.config import TrainConfig
-from leantrain.data.loader import move_to_device
+from leantrain.data.loader import collate, move_to_device
 from leantrain.errors import LeantrainError
 from leantrain.memory.accountant import SavedActivations
 from leantrain.memory.estimate import first_items, measure
@@ -187,9 +186,8 @@ class MicroBatchSizer:
 
         def fits(size: int) -> bool:
             tried.append(size)
-            batch = move_to_device(
-                default_collate(items[:size]), self.device, dtype=self.precision.input_dtype
-            )
+            collated = collate(items[:size], range(size), "train_data")
+            batch = move_to_device(collated, self.device, dtype=self.precision.input_dtype)
             try:
                 with self.precision.autocast():
                     loss = loss_fn(self.model, batch)

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
-from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import IterableDataset
 
 from leantrain.blocks import BlockPolicy, block_classes, matching_blocks
 from leantrain.config import TrainConfig
-from leantrain.data.loader import move_to_device
+from leantrain.data.loader import collate, move_to_device
 from leantrain.errors import LeantrainError, TaskError
 from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, breakdown
 from leantrain.memory.recompute import apply_activation_checkpointing
@@ -151,7 +151,8 @@ def measure(
     items = first_items(task.train_data(), max(micro_sizes))
     rows = []
     for size in micro_sizes:
-        batch = move_to_device(default_collate(items[:size]), CPU, dtype=precision.input_dtype)
+        collated = collate(items[:size], range(size), "train_data")
+        batch = move_to_device(collated, CPU, dtype=precision.input_dtype)
         fake_batch = tree_map_only(torch.Tensor, mode.from_tensor, batch)
         with mode, precision.autocast(), SavedActivations(model.parameters()) as saved:
             task.loss(model, fake_batch)
