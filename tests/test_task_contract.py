@@ -127,9 +127,12 @@ class NoGrad(Linear):
 
 
 @pytest.mark.parametrize("loss_sum", [False, True])
-def test_a_loss_without_grad_fn_says_how_it_lost_it(fit, loss_sum):
+@pytest.mark.parametrize("search", [False, True], ids=["fixed", "micro-batch-search"])
+def test_a_loss_without_grad_fn_says_how_it_lost_it(fit, loss_sum, search):
+    # micro_batch_size auto runs the loss's backward itself, in its search, before the first step.
+    fields = dict(micro_batch_size="auto", memory_budget="1GiB") if search else {}
     with pytest.raises(TaskError, match=r"task\.loss returned .* does not require grad") as caught:
-        train(fit, NoGrad(loss_sum))
+        train(fit, NoGrad(loss_sum), **fields)
     assert "(no grad_fn): it was computed under torch.no_grad()" in str(caught.value)
 
 

@@ -30,9 +30,9 @@ from leantrain.data.loader import collate, move_to_device
 from leantrain.errors import LeantrainError
 from leantrain.memory.accountant import SavedActivations
 from leantrain.memory.estimate import first_items, measure
+from leantrain.step.accumulator import differentiable_loss
 from leantrain.step.batching import BatchSplit
 from leantrain.step.precision import Precision
-from leantrain.task import LossSum
 from leantrain.units import format_bytes, parse_bytes
 
 
@@ -191,7 +191,7 @@ class MicroBatchSizer:
             try:
                 with self.precision.autocast():
                     loss = loss_fn(self.model, batch)
-                (loss.sum if isinstance(loss, LossSum) else loss).float().backward()
+                differentiable_loss(loss).float().backward()
                 return True
             except torch.OutOfMemoryError:
                 pass  # the partial graph is freed once out of this clause

@@ -236,16 +236,9 @@ class Accumulator:
 
     def _term(self, loss: Any, micro: int) -> MicroLoss:
         """The tensor to run backward on for one micro-batch's loss, and what to log of it."""
-        # Backward fails on a loss without a graph anyway, in words that do not say why; reading
-        # requires_grad costs no device sync.
+        differentiable = differentiable_loss(loss)
         if isinstance(loss, LossSum):
-            _check_scalar(loss.sum, "LossSum.sum")
-            if not loss.sum.requires_grad:
-                raise _not_differentiable("an lt.LossSum whose sum")
-            return MicroLoss(loss.sum, loss.sum.detach(), loss.count, self.split.micro_batch_size)
-        _check_scalar(loss, "task.loss")
-        if not loss.requires_grad:
-            raise _not_differentiable("a loss")
+            return MicroLoss(differentiable, differentiable.detach(), loss.count, self.split.micro_batch_size)
         # Skipping the multiply when the weight is 1 keeps the single-batch path as lean
         # as a hand-written loop.
         term = loss if self.mean_loss_weight == 1 else loss * self.mean_loss_weight
@@ -352,6 +345,21 @@ def _check_scalar(value: Any, what: str) -> None:
         raise TaskError(f"{what} must be a tensor or lt.LossSum, got {type(value).__name__}")
     if value.dim() != 0:
         raise TaskError(f"{what} must be a scalar tensor, got shape {tuple(value.shape)}")
+
+
+def differentiable_loss(loss: Any) -> torch.Tensor:
+    """The scalar tensor of what ``task.loss`` returned (a LossSum's sum), checked: backward would
+    fail on a loss without a graph anyway, in words that do not say why. Reading requires_grad
+    costs no device sync."""
+    if isinstance(loss, LossSum):
+        _check_scalar(loss.sum, "LossSum.sum")
+        if not loss.sum.requires_grad:
+            raise _not_differentiable("an lt.LossSum whose sum")
+        return loss.sum
+    _check_scalar(loss, "task.loss")
+    if not loss.requires_grad:
+        raise _not_differentiable("a loss")
+    return loss
 
 
 def _not_differentiable(what: str) -> TaskError:
