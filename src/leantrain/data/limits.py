@@ -95,15 +95,17 @@ def check_prefetch(
     if prefetch_factor is None or workers == 0:
         return
     memory = available_memory() if memory is None else memory
+    held = max(batch_bytes, PAGE_BYTES)
     room = max(memory * MEMORY_SHARE - workers * WORKER_BYTES, 0)
-    bound = max(1, math.floor(room / (workers * max(batch_bytes, PAGE_BYTES))))
+    bound = max(1, math.floor(room / (workers * held)))
     if prefetch_factor > bound:
+        size = "at least a 4 KiB page" if held == PAGE_BYTES else format_bytes(held)
         raise ConfigError(
             "prefetch_factor",
             prefetch_factor,
-            f"at most {bound} here: {workers} worker(s) x {bound} micro-batches of "
-            f"{format_bytes(batch_bytes)} ahead fill half of the {format_bytes(memory)} of memory "
-            "available; leave it unset (two optimizer steps' worth with auto/tune, else 2)",
+            f"at most {bound} here: {workers} worker(s) x {bound} micro-batches of {size} ahead fill "
+            f"half of the {format_bytes(memory)} of memory available; leave it unset (two optimizer "
+            "steps' worth with auto/tune, else 2)",
         )
 
 
