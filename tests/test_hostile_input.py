@@ -126,6 +126,27 @@ def test_each_hostile_input_is_refused_in_one_line_before_anything_starts(cli_ru
     cli_run(*BASE, *args).assert_one_line_refusal(*parts)
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--micro-batch-size", "5"], "invalid micro_batch_size=5: must divide the per-process batch 64"),
+        (["--precision", "bf17"], "invalid precision='bf17': must be one of 32, bf16-mixed, 16-mixed"),
+        (["--max-steps", "ten"], "invalid max_steps='ten': must be an integer or null"),
+        (["--example", "nope"], "unknown example 'nope'; available: digits, charlm, slowdata"),
+        (["--task", "no_such_pkg.mod:Task"], "cannot import module 'no_such_pkg.mod'"),
+        (["--task", "json:JSONDecodeError"], "must be callable with no arguments"),
+        (["--task", "x:Y", "--example", "digits"], "give either --task or --example, not both"),
+        (["--config", "missing.yaml"], "config='missing.yaml': cannot be read (No such file or directory)"),
+        (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag 1"),
+        (["--device", "cuda:7"], "invalid device='cuda:7'"),
+        (["--resume", "missing.pt"], "checkpoint missing.pt does not exist"),
+    ],
+)
+def test_bad_flags_and_tasks_are_one_line_and_leave_no_run_folder(cli_run, tmp_path, args, message):
+    cli_run("fit", *args, "--out", "out").assert_one_line_refusal(message)
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_worker_bound_is_the_cpus_or_the_memory_whichever_is_tighter():
     assert max_workers(1, cpus=2, memory=2**40)[0] == 8
     assert max_workers(4, cpus=16, memory=2**40)[0] == 16  # each of 4 processes: 4 CPUs' worth
