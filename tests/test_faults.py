@@ -36,7 +36,8 @@ class SmallDisk:
     def fill(self, free_left: int = 2048) -> None:
         """Leave ``free_left`` bytes: a checkpoint no longer fits."""
         if self.mounted:
-            self.filler.write_bytes(b"\0" * (os.statvfs(self.folder).f_bavail * 4096 - free_left))
+            stats = os.statvfs(self.folder)
+            self.filler.write_bytes(b"\0" * (stats.f_bavail * stats.f_frsize - free_left))
         else:
             self.monkeypatch.setattr(files, "free_bytes", lambda path: free_left)
 

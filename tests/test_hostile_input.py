@@ -160,7 +160,7 @@ def test_the_prefetch_bound_counts_the_batches_held_ahead():
     with pytest.raises(lt.ConfigError, match="at most"):
         check_prefetch(1000, workers=2, batch_bytes=2**20, memory=memory)  # 2 GiB ahead
     check_prefetch(None, workers=2, memory=memory)
-    with pytest.raises(lt.ConfigError, match=r"prefetch_factor=10\*\*20|at most"):
+    with pytest.raises(lt.ConfigError, match="at most"):
         check_prefetch(10**20, workers=1, batch_bytes=PAGE_BYTES)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -77,6 +77,18 @@ def note_task_error(error: BaseException, method: str, where: str = "") -> None:
         error.add_note(line)
     else:  # Python 3.10 has no add_note: set what it sets (pytest and the exceptiongroup backport print it)
         error.__notes__ = [*getattr(error, "__notes__", []), line]
+
+
+def call_task(
+    method: str, function: Callable[..., Any], *args: Any, where: str = "", batch: Any = None
+) -> Any:
+    """``function(*args)``, one of the task's own methods: an error raised in it keeps its type and
+    traceback and gets the note of :func:`note_task_error` (``batch`` described only then)."""
+    try:
+        return function(*args)
+    except Exception as error:
+        note_task_error(error, method, where if batch is None else f"{where}; batch: {describe_batch(batch)}")
+        raise
 
 
 # A batch described longer than this is cut: the note must stay one readable line.

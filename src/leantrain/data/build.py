@@ -31,7 +31,7 @@ from leantrain.data.workers import (
 )
 from leantrain.errors import TaskError
 from leantrain.step.batching import BatchSplit
-from leantrain.task import note_task_error
+from leantrain.task import call_task
 
 
 @dataclass
@@ -71,18 +71,9 @@ def _cached(
     return cached
 
 
-def _task_data(method: Any, name: str) -> Any:
-    """The task's dataset; an error raised in the task's method gets a note naming it."""
-    try:
-        return method()
-    except Exception as error:
-        note_task_error(error, name)
-        raise
-
-
 def load_train_data(task: Any, cfg: TrainConfig, env: ClusterEnv) -> TrainData:
     notes: list[str] = []
-    dataset = _task_data(task.train_data, "task.train_data()")
+    dataset = call_task("task.train_data()", task.train_data)
     if cfg.cache is not None:
         dataset = _cached(dataset, task, "train", cfg, env, notes)
     if isinstance(dataset, IterableDataset):
@@ -202,7 +193,7 @@ def build_val_loader(
 ) -> DataLoader | None:
     """Validation data, each rank taking every world_size-th sample, in micro-batches."""
     val_fn = getattr(task, "val_data", None)
-    val_data = _task_data(val_fn, "task.val_data()") if callable(val_fn) else None
+    val_data = call_task("task.val_data()", val_fn) if callable(val_fn) else None
     if val_data is None:
         return None
     if cfg.cache is not None:

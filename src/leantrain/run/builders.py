@@ -34,7 +34,7 @@ from leantrain.step.batching import BatchSplit
 from leantrain.step.precision import Precision, make_precision
 from leantrain.strategies.base import Example, Strategy
 from leantrain.strategies.dims import ParallelDims
-from leantrain.task import note_task_error
+from leantrain.task import call_task
 from leantrain.units import parse_bytes
 
 
@@ -71,11 +71,7 @@ def build_model(
 
 def _task_model(task: Any) -> nn.Module:
     """``task.model()``, checked: a Module with something to train."""
-    try:
-        model = task.model()
-    except Exception as error:
-        note_task_error(error, "task.model()")
-        raise
+    model = call_task("task.model()", task.model)
     if not isinstance(model, nn.Module):
         raise TaskError(f"task.model() must return a torch.nn.Module, got {type(model).__name__}")
     params = list(model.parameters())
@@ -125,11 +121,7 @@ def build_optimization(
     task: Any, cfg: TrainConfig, strategy: Strategy, prepared: list[nn.Parameter]
 ) -> Optimization:
     params = strategy.optimizer_params(prepared)
-    try:
-        optimizer = task.optimizer(iter(params))
-    except Exception as error:
-        note_task_error(error, "task.optimizer(params)")
-        raise
+    optimizer = call_task("task.optimizer(params)", task.optimizer, iter(params))
     _check_optimizer_holds(optimizer, params)
     notes = []
     if cfg.lr_scaling != "none":  # before the scheduler, which records the base learning rates

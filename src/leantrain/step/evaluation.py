@@ -10,7 +10,7 @@ from torch import nn
 
 from leantrain.errors import TaskError
 from leantrain.step.precision import Precision
-from leantrain.task import LossSum, describe_batch, note_task_error
+from leantrain.task import LossSum, call_task
 
 
 def batch_size_of(batch: Any) -> int:
@@ -83,8 +83,10 @@ def evaluate(
     metrics_fn = getattr(task, "metrics", None)
 
     def loss_and_metrics(model: nn.Module, batch: Any) -> tuple[Any, dict[str, Any]]:
-        loss = _noted_call("task.loss", task.loss, model, batch)
-        return loss, _noted_call("task.metrics", metrics_fn, model, batch) if callable(metrics_fn) else {}
+        loss = call_task("task.loss", task.loss, model, batch, where="in validation", batch=batch)
+        if not callable(metrics_fn):
+            return loss, {}
+        return loss, call_task("task.metrics", metrics_fn, model, batch, where="in validation", batch=batch)
 
     sums = ValidationSums()
     for loss, extra, samples in strategy.forward_only(loss_and_metrics, batches, precision):
@@ -97,12 +99,3 @@ def evaluate(
             merged[name][0] += total
             merged[name][1] += weight
     return {f"val_{name}": total / max(weight, 1e-12) for name, (total, weight) in sorted(merged.items())}
-
-
-def _noted_call(method: str, function: Callable[[nn.Module, Any], Any], model: nn.Module, batch: Any) -> Any:
-    """``function(model, batch)``; an error raised in it gets a note naming the method and the batch."""
-    try:
-        return function(model, batch)
-    except Exception as error:
-        note_task_error(error, method, f"in validation; batch: {describe_batch(batch)}")
-        raise
