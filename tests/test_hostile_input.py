@@ -91,7 +91,7 @@ def run_cli(*args: str) -> Outcome:
 @pytest.fixture
 def cli_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "Trainer", StopsAfterFirstStep)
+    monkeypatch.setattr("leantrain.trainer.Trainer", StopsAfterFirstStep)  # the class `fit` imports
     return run_cli
 
 

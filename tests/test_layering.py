@@ -21,7 +21,7 @@ LAYERS = [
     ("pieces", ["strategies", "data", "memory", "log", "launch", "diagnose.advice", "diagnose.flops",
                 "diagnose.probe", "diagnose.syncs", "diagnose.timer", "examples"]),
     ("run", ["run", "trainer"]),
-    ("commands", ["diagnose", "cli", "__main__", ""]),
+    ("commands", ["diagnose", "cli", "entry", "__main__", ""]),
 ]  # fmt: skip
 
 

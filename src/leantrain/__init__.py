@@ -1,5 +1,7 @@
 """leantrain: a PyTorch training engine that is fast, memory-lean, and says why a run is slow."""
 
+from typing import TYPE_CHECKING, Any
+
 from leantrain._version import __version__
 from leantrain.config import TrainConfig
 from leantrain.errors import (
@@ -14,7 +16,10 @@ from leantrain.errors import (
     TaskError,
 )
 from leantrain.task import LossSum, Task, load_task
-from leantrain.trainer import Callback, FitResult, StepStats, Trainer
+
+if TYPE_CHECKING:
+    from leantrain import diagnose
+    from leantrain.trainer import Callback, FitResult, StepStats, Trainer
 
 __all__ = [
     "Callback",
@@ -38,5 +43,20 @@ __all__ = [
     "load_task",
 ]
 
-# Imported last: the diagnostics build on the Trainer. ``lt.diagnose.HostSyncs`` and friends.
-from leantrain import diagnose
+# The Trainer and the diagnostics (``lt.diagnose.HostSyncs`` and friends) are imported on first
+# use: `import leantrain` in a task file, and every `leantrain` command that does not train,
+# then costs little more than `import torch`.
+_FROM_TRAINER = ("Callback", "FitResult", "StepStats", "Trainer")
+
+
+def __getattr__(name: str) -> Any:
+    # `import x.y as z` binds the submodule without asking this function for it again.
+    if name == "diagnose":
+        import leantrain.diagnose as diagnose
+
+        return diagnose
+    if name in _FROM_TRAINER:
+        import leantrain.trainer as trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'leantrain' has no attribute {name!r}")

@@ -2,6 +2,6 @@
 
 import sys
 
-from leantrain.cli import main
+from leantrain.entry import main
 
 sys.exit(main())

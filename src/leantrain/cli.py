@@ -17,7 +17,7 @@ import sys
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
@@ -30,19 +30,23 @@ from leantrain.config import GROUPS, TrainConfig, coerce, metavar
 from leantrain.data.cache import prepare_cache, task_source
 from leantrain.data.limits import check_num_workers
 from leantrain.data.workers import auto_workers
-from leantrain.diagnose.doctor import DEFAULT_STEPS, DEFAULT_WARMUP, TRACED_STEPS, Diagnosis, run_doctor
-from leantrain.diagnose.report import print_report, write_html
+from leantrain.diagnose.probe import DEFAULT_STEPS, DEFAULT_WARMUP, TRACED_STEPS
 from leantrain.errors import ConfigError, LeantrainError, RunInterrupted, StorageError, TaskError
 from leantrain.examples import DEFAULT_EXAMPLE, EXAMPLES, load_example
 from leantrain.files import check_folder
 from leantrain.launch.slurm import SlurmOptions, sbatch_script, submit
-from leantrain.launch.torchrun import LaunchOptions, launch
 from leantrain.memory.estimate import DEFAULT_MARGIN, RECOMPUTE_PAYS, MemoryEstimate, estimate_memory
 from leantrain.run.preflight import check_machine
 from leantrain.strategies.registry import check_config, names, strategies
 from leantrain.task import load_task
-from leantrain.trainer import FitResult, Trainer
 from leantrain.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from leantrain.diagnose.doctor import Diagnosis
+    from leantrain.trainer import FitResult
+
+# Start-up is paid by every command and every process of a launch: what only one command uses
+# (the training loop, the doctor and its report, torchrun's launcher) is imported inside that command.
 
 # Exit codes (docs/errors.md): 0 done; 1 a bug, with its traceback; 2 bad input (one line);
 # 74 the storage refused a write (sysexits' EX_IOERR; one line that says what is safe);
@@ -180,6 +184,9 @@ def run_doctor_command(values: dict[str, Any], console: Console) -> Diagnosis:
     task_flags = f"--task {values['task']}" if values.get("task") else f"--example {name}"
     if as_json and cfg.progress == "auto":
         cfg = dataclasses.replace(cfg, progress="none")  # stdout carries the JSON alone
+    from leantrain.diagnose.doctor import run_doctor
+    from leantrain.diagnose.report import print_report, write_html
+
     diagnosis = run_doctor(task, cfg, steps, warmup, trace, name, task_flags)
     if not detect().is_main:
         return diagnosis
@@ -386,6 +393,8 @@ def resolve_task(task: str | None, example: str | None) -> tuple[Any, str]:
 
 
 def run_fit(values: dict[str, Any], console: Console) -> FitResult:
+    from leantrain.trainer import Trainer
+
     cfg = config_from_args(values)
     task, name = resolve_task(values.get("task"), values.get("example"))
     result = Trainer(cfg).fit(task, name=name)
@@ -430,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run, run_arguments = _fit_arguments(
                 values, "launch", world, ("fit", "doctor"), values["nproc_per_node"]
             )
+            from leantrain.launch.torchrun import LaunchOptions, launch
+
             return launch(LaunchOptions(**values), run_arguments, run)
         elif namespace.command == "slurm":
             values = namespace.slurm.as_dict()

@@ -12,12 +12,16 @@
 * ``run_doctor``: the whole diagnosis of a task, as ``leantrain doctor`` runs it.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from leantrain.diagnose.advice import Advice, Measurements, RunFacts, advise, loader_facts, verdict
-from leantrain.diagnose.doctor import Diagnosis, run_doctor
 from leantrain.diagnose.flops import PeakFlops, count_flops, mfu, peak_flops
 from leantrain.diagnose.syncs import HostSync, HostSyncs, RetainedGraph, RetainedGraphs
 from leantrain.diagnose.timer import PHASES, PhaseTimer
 from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, breakdown
+
+if TYPE_CHECKING:
+    from leantrain.diagnose.doctor import Diagnosis, run_doctor
 
 __all__ = [
     "PHASES",
@@ -42,3 +46,13 @@ __all__ = [
     "run_doctor",
     "verdict",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The doctor trains through the Trainer: imported on first use, so that the CLI can read the
+    # probe's defaults (and a hand-written loop use the checks) without loading the training loop.
+    if name in ("Diagnosis", "run_doctor"):
+        import leantrain.diagnose.doctor as doctor
+
+        return getattr(doctor, name)
+    raise AttributeError(f"module 'leantrain.diagnose' has no attribute {name!r}")

@@ -25,17 +25,13 @@ from leantrain.data.cache import items_repeat
 from leantrain.data.workers import auto_workers, available_cpus
 from leantrain.diagnose.advice import Advice, Measurements, RunFacts, advise, verdict
 from leantrain.diagnose.flops import PeakFlops, compute_dtype, mfu, peak_flops
-from leantrain.diagnose.probe import Schedule, StepProbe
+from leantrain.diagnose.probe import DEFAULT_STEPS, DEFAULT_WARMUP, TRACED_STEPS, Schedule, StepProbe
 from leantrain.diagnose.syncs import HostSync, RetainedGraph
 from leantrain.memory.accountant import MemoryBreakdown
 from leantrain.runtime import resolve_device
 from leantrain.strategies.registry import strategy_class
 from leantrain.trainer import FitResult, Trainer
 from leantrain.units import parse_bytes
-
-DEFAULT_STEPS = 20
-DEFAULT_WARMUP = 5
-TRACED_STEPS = 3
 
 
 @dataclass

@@ -28,6 +28,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from leantrain.diagnose.syncs import HostSyncs, RetainedGraphs
 from leantrain.diagnose.timer import PhaseTimer
 
+# `leantrain doctor`'s stretches: timed steps and warm-up steps by default, and steps traced with
+# --trace.
+DEFAULT_STEPS = 20
+DEFAULT_WARMUP = 5
+TRACED_STEPS = 3
+
 
 @dataclass(frozen=True)
 class Schedule:
