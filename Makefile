@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/doctor.py
 	$(PY) benchmarks/parallelism.py
+	$(PY) benchmarks/startup.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
