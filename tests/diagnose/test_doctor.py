@@ -80,7 +80,7 @@ def test_a_clean_compute_heavy_task_is_compute_bound_without_false_alarms(tmp_pa
     assert d.verdict == "compute-bound"
     assert d.host_syncs == [] and d.retained_graphs == [] and d.advice == []
     assert d.phases["forward"] + d.phases["backward"] > 0.7 * d.phases["total"]
-    assert d.flops_per_step > 0 and 0 < d.mfu < 1
+    assert d.flops_per_step > 0 and 0 < d.mfu <= 1  # 1: the peak measurement was slowed (at_least)
     assert [s.file.endswith("accumulator.py") for s in d.engine_host_syncs].count(True) == 1
 
 

@@ -24,7 +24,7 @@ from leantrain.config import TrainConfig
 from leantrain.data.cache import items_repeat
 from leantrain.data.workers import auto_workers, available_cpus
 from leantrain.diagnose.advice import Advice, Measurements, RunFacts, advise, verdict
-from leantrain.diagnose.flops import PeakFlops, compute_dtype, mfu, peak_flops
+from leantrain.diagnose.flops import PeakFlops, at_least, compute_dtype, mfu, peak_flops
 from leantrain.diagnose.probe import DEFAULT_STEPS, DEFAULT_WARMUP, TRACED_STEPS, Schedule, StepProbe
 from leantrain.diagnose.syncs import HostSync, RetainedGraph
 from leantrain.memory.accountant import MemoryBreakdown
@@ -137,7 +137,8 @@ def diagnose_run(
     """Turn a probed run's measurements into the diagnosis."""
     phases = probe.timer.mean()
     step_phases = probe.timer.steps()
-    peak = peak_flops(device, compute_dtype(cfg.precision))
+    reached = probe.flops_per_step / phases["total"] if phases["total"] > 0 else 0.0
+    peak = at_least(peak_flops(device, compute_dtype(cfg.precision)), reached)
     memory = MemoryBreakdown(
         result.params_bytes, result.grads_bytes, result.optimizer_bytes, result.activation_bytes
     )

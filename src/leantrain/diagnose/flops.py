@@ -91,6 +91,15 @@ def _measured_peak(device: torch.device, dtype: torch.dtype) -> PeakFlops:
     return PeakFlops(best, str(dtype).removeprefix("torch."), f"measured: {n}^3 matmul{threads}")
 
 
+def at_least(peak: PeakFlops, reached: float) -> PeakFlops:
+    """``peak``, unless it was measured and a run's own steps reached more (``reached`` FLOP/s):
+    then the measurement was slowed by other work on the machine, and the steps' rate is the
+    better lower bound of the device's peak (so MFU stays a share, at most 1)."""
+    if peak.source.startswith("datasheet") or reached <= peak.flops_per_second:
+        return peak
+    return PeakFlops(reached, peak.dtype, f"{peak.source}; raised to the rate the timed steps reached")
+
+
 def mfu(flops_per_step: float, seconds_per_step: float, peak: PeakFlops) -> float:
     """The share of the peak a step's counted FLOPs reach (0 when nothing was measured)."""
     if seconds_per_step <= 0 or peak.flops_per_second <= 0:
