@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY          = $(VENV)/bin/python
 STAMP       = $(VENV)/.leantrain-installed
 
-.PHONY: install demo test test-gpu lint bench clean
+.PHONY: install demo test test-gpu mutate lint bench clean
 
 install: $(STAMP)
 
@@ -22,17 +22,32 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/leantrain fit
 
-# Lint first (cheap), then the suite. pytest exits 5 when it collected no test: that
-# is a failure, not a pass.
+# Lint first (cheap), then the suite on TEST_WORKERS processes (pytest-xdist: while one test
+# starts its interpreters or waits on a launch, another uses the CPU), then the tests marked
+# `serial` alone (they measure time). pytest exits 5 when it collected no test: that is a
+# failure, not a pass (the serial part may select none).
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
-	  if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
+	@$(PY) -m pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; \
+	  $(PY) -m pytest -m serial $(PYTEST_ARGS); serial=$$?; \
+	  if [ $$serial -ne 0 ] && [ $$serial -ne 5 ]; then exit $$serial; fi; exit $$rc
 
 # The tests marked `cuda` (skipped without a GPU; `make test` runs them too where one exists).
 # Results on a GPU machine go to benchmarks/results/gpu.md.
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m cuda -q -rs $(PYTEST_ARGS)
+
+# The mutation check (tests/MUTATION.md): each line of the modules that carry the training math
+# changed one at a time; their fast tests must fail. Slow, not part of `make test` or CI: run it
+# before changing those modules, and keep the table current. `make mutate MUTANTS='leantrain.step.losses*'`
+# checks one module; a stopped run continues where it stopped.
+MUTANTS ?=
+mutate: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[mutate]"
+	$(VENV)/bin/mutmut run $(MUTANTS)
+	$(PY) tests/mutation_report.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks
@@ -50,4 +65,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/startup.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache mutants

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,13 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 import leantrain as lt
+
+# Processes the tests start (the CLI, torchrun's workers, a killed save) import the same
+# leantrain as the tests: the source tree this process loaded, first on their path. Under
+# `make mutate` that is the mutated copy, whose mutants would otherwise go unseen there.
+_SOURCE_ROOT = str(Path(lt.__file__).resolve().parents[1])
+_OTHER_PATHS = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _SOURCE_ROOT]
+os.environ["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, *_OTHER_PATHS])
 
 
 class RegressionTask:
@@ -180,3 +188,13 @@ class HeavyFromStep(RegressionTask):
             wide = prediction.repeat(1, 256).tanh()  # tanh saves its [micro, 1024] output
             loss = loss + 0 * wide.sum()
         return loss
+
+
+# The tests that start processes (launches, the CLI, kills) run first: under `make test`'s
+# pytest-xdist workers the long ones then overlap the many short ones, instead of one of them
+# running alone at the end while the other worker idles.
+PROCESS_TESTS = ("tests/distributed/", "tests/e2e/", "tests/launch/")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(PROCESS_TESTS))  # stable: order kept within

@@ -48,6 +48,7 @@ class KeepsLosses(RegressionTask):
         return loss
 
 
+@pytest.mark.serial  # the verdict weighs measured times: another test beside it would move them
 def test_data_bound_example_is_diagnosed_and_workers_come_first(tmp_path: Path) -> None:
     d = doctor(SlowDataTask(size=256), tmp_path, global_batch_size=32, num_workers=0)
     assert d.verdict == "data-bound"
@@ -75,6 +76,7 @@ def test_kept_losses_are_found_where_they_were_created(tmp_path: Path) -> None:
     assert d.advice[0].title.startswith("stop keeping autograd graphs alive")
 
 
+@pytest.mark.serial  # the verdict weighs measured times: another test beside it would move them
 def test_a_clean_compute_heavy_task_is_compute_bound_without_false_alarms(tmp_path: Path) -> None:
     d = doctor(load_example("charlm"), tmp_path, steps=3, device="cpu")  # a GPU would advise bf16
     assert d.verdict == "compute-bound"

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from leantrain import cli
+
 REPO = Path(__file__).parents[2]
 LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
 
@@ -18,7 +20,8 @@ LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
 def worker_env() -> dict[str, str]:
     """One intra-op thread per process (2 cores are shared), the tests importable, and the CPU even
     where a GPU is present: these are gloo jobs, and a one-GPU machine cannot give each rank its own."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # conftest.py: src first
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
 
 
 def leantrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -31,11 +34,20 @@ def leantrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return done
 
 
+def fit_here(*fit_arguments: str) -> None:
+    """``leantrain fit ...`` in this process, on the CPU like the launched ranks: the one-process
+    reference of a test of the math across processes. Its interpreter start-up (~3 s) would be
+    most of such a small run, and the CLI is not what these tests check."""
+    assert fit_arguments[0] == "fit", fit_arguments
+    assert cli.main([*fit_arguments, "--device", "cpu"]) == 0, f"leantrain {' '.join(fit_arguments)} failed"
+
+
 def trained_weights(out: Path, fit_arguments: list[str], processes: int = 1) -> dict:
-    """Run ``fit`` (under ``launch`` with more than one process) into ``out``; its final weights."""
+    """Run ``fit`` (in this process, or under ``launch`` with more than one) into ``out``; its final
+    weights."""
     arguments = [*fit_arguments, "--out", str(out)]
     if processes == 1:
-        leantrain(*arguments)
+        fit_here(*arguments)
     else:
         leantrain("launch", "--nproc-per-node", str(processes), *arguments)
     return load_file(out / "model.safetensors")

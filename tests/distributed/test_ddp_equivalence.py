@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import leantrain
+from tests.distributed.conftest import fit_here, leantrain
 
 GLOBAL = 16
 STEPS = 20
@@ -19,7 +19,7 @@ def train(out, task: str, processes: int, micro: int, flags: list[str]) -> dict[
            "--micro-batch-size", str(micro), "--max-steps", str(STEPS), "--out", str(out)]  # fmt: skip
     fit += flags
     if processes == 1:
-        leantrain(*fit)
+        fit_here(*fit)
     else:
         leantrain("launch", "--nproc-per-node", str(processes), *fit)
     return load_file(out / "model.safetensors")

@@ -8,7 +8,7 @@ import subprocess
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import LEANTRAIN, REPO, leantrain, run_with_one_kill, worker_env
+from tests.distributed.conftest import LEANTRAIN, REPO, fit_here, leantrain, run_with_one_kill, worker_env
 
 FIT = "fit --task tests.distributed.tasks:sum_task --global-batch-size 16 --micro-batch-size 4 --max-steps 20"
 FIT = [*FIT.split(), "--progress", "plain", "--tensorboard", "false"]
@@ -25,7 +25,7 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 
 def test_two_nodes_on_one_machine_match_one_process(tmp_path):
-    leantrain(*FIT, "--micro-batch-size", "16", "--out", str(tmp_path / "single"))
+    fit_here(*FIT, "--micro-batch-size", "16", "--out", str(tmp_path / "single"))
     port = free_port()
     nodes = [
         subprocess.Popen(

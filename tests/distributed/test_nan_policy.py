@@ -7,7 +7,7 @@ import subprocess
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import LEANTRAIN, REPO, leantrain, worker_env
+from tests.distributed.conftest import LEANTRAIN, REPO, fit_here, leantrain, worker_env
 
 FIT = ["--global-batch-size", "16", "--max-steps", "6"]
 
@@ -38,8 +38,8 @@ def test_skip_on_one_rank_is_skip_on_all_and_matches_one_process(tmp_path, quiet
               *FIT, *quiet_fit_flags, "--on-nan", "skip", "--out", str(two))  # fmt: skip
     one = tmp_path / "one"
     task = "tests.distributed.tasks:nan_in_second_half_of_step3"
-    leantrain("fit", "--task", task, "--micro-batch-size", "8",
-              *FIT, *quiet_fit_flags, "--on-nan", "skip", "--out", str(one))  # fmt: skip
+    fit_here("fit", "--task", task, "--micro-batch-size", "8",
+             *FIT, *quiet_fit_flags, "--on-nan", "skip", "--out", str(one))  # fmt: skip
     reference, weights = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     for name, tensor in reference.items():
         assert bool(torch.isfinite(weights[name]).all()), name

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 import leantrain as lt
 from leantrain.memory.estimate import estimate_memory
 from tests.conftest import HeavyFromStep
-from tests.distributed.conftest import leantrain
+from tests.distributed.conftest import fit_here, leantrain
 
 
 def test_one_rank_out_of_memory_makes_both_halve_and_the_run_matches_one_process(tmp_path, quiet_fit_flags):
@@ -21,7 +21,7 @@ def test_one_rank_out_of_memory_makes_both_halve_and_the_run_matches_one_process
     two = leantrain("launch", "--nproc-per-node", "2", *fit, "--task", task, "--micro-batch-size", "8",
                     "--memory-budget", str(budget), "--out", str(tmp_path / "two"), timeout=240)  # fmt: skip
     assert "micro-batch 8 -> 4" in two.stdout + two.stderr
-    leantrain(*fit, "--task", "tests.distributed.tasks:mean_task", "--out", str(tmp_path / "one"))
+    fit_here(*fit, "--task", "tests.distributed.tasks:mean_task", "--out", str(tmp_path / "one"))
     one, both = (
         load_file(tmp_path / "one" / "model.safetensors"),
         load_file(tmp_path / "two" / "model.safetensors"),
