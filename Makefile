@@ -23,13 +23,14 @@ demo: $(STAMP)
 	$(VENV)/bin/leantrain fit
 
 # Lint first (cheap), then the suite on TEST_WORKERS processes (pytest-xdist: while one test
-# starts its interpreters or waits on a launch, another uses the CPU), then the tests marked
+# starts its interpreters or waits on a launch, another uses the CPU; `worksteal`, so that an
+# idle worker takes tests queued on a busy one instead of waiting), then the tests marked
 # `serial` alone (they measure time). pytest exits 5 when it collected no test: that is a
 # failure, not a pass (the serial part may select none).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	@$(PY) -m pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial" $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; \
 	  $(PY) -m pytest -m serial $(PYTEST_ARGS); serial=$$?; \
 	  if [ $$serial -ne 0 ] && [ $$serial -ne 5 ]; then exit $$serial; fi; exit $$rc
