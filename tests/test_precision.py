@@ -173,6 +173,32 @@ def test_the_scale_grows_after_a_run_of_good_steps():
     assert float(scaler.scale) == 8.0
 
 
+def test_the_default_scale_doubles_after_2000_good_steps_as_documented():
+    """docs/precision.md: the fp16 scale starts at 2^15 and doubles after 2000 good steps in a row."""
+    scaler = DynamicLossScaler(CPU)
+    for _ in range(1999):
+        scaler.update(overflowed=False)
+    assert float(scaler.scale) == INITIAL_SCALE == 2.0**15
+    scaler.update(overflowed=False)
+    assert float(scaler.scale) == 2.0**16
+
+
+def test_the_scaler_keeps_fp32_state_whatever_the_default_dtype():
+    """torch's scale update kernel takes fp32 tensors only: a user's float64 default dtype (common
+    in float64 research code) must not reach the scaler's state."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        scaler = DynamicLossScaler(CPU, initial_scale=8.0, growth_interval=1)
+        grads = [torch.full((3,), 16.0, dtype=torch.float16)]
+        assert float(scaler.unscale_(grads)) == 0.0 and grads[0].tolist() == [2.0, 2.0, 2.0]
+        scaler.update(overflowed=False)
+    finally:
+        torch.set_default_dtype(previous)
+    assert scaler.scale.dtype == scaler.found_inf.dtype == torch.float32
+    assert float(scaler.scale) == 16.0
+
+
 def test_a_nan_loss_does_not_lower_the_scale(fit):
     class NanOnce(TinyClassifier):
         calls = 0

@@ -73,3 +73,11 @@ def test_no_shuffle_keeps_dataset_order():
 def test_too_small_dataset_is_a_clear_error():
     with pytest.raises(LeantrainError, match="has 3 samples, fewer than one global batch"):
         GlobalBatchSampler(3, BatchSplit(4, 4), total_steps=1)
+
+
+@pytest.mark.parametrize("start_step", [0, 3, 7, 9])
+def test_length_is_what_a_resumed_sampler_yields(start_step):
+    """The loader's length (progress bars, epoch ends) is the micro-batches left after a resume:
+    none once the run is complete."""
+    sampler = GlobalBatchSampler(100, BatchSplit(16, 4), 7, seed=2, start_step=start_step)
+    assert len(sampler) == len(list(sampler)) == max(7 - start_step, 0) * 4
