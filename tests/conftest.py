@@ -190,9 +190,9 @@ class HeavyFromStep(RegressionTask):
         return loss
 
 
-# The tests that start processes (launches, the CLI, kills) run first: under `make test`'s
-# pytest-xdist workers the long ones then overlap the many short ones, instead of one of them
-# running alone at the end while the other worker idles.
+# The tests that start processes (launches, the CLI, kills) are the long ones: they run first, so
+# that `make test`'s pytest-xdist workers end on short tests. Work stealing moves queued tests,
+# not a running one: a long test started last would run alone while the other worker idles.
 PROCESS_TESTS = ("tests/distributed/", "tests/e2e/", "tests/launch/")
 
 

@@ -20,7 +20,9 @@ LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
 def worker_env() -> dict[str, str]:
     """One intra-op thread per process (2 cores are shared), the tests importable, and the CPU even
     where a GPU is present: these are gloo jobs, and a one-GPU machine cannot give each rank its own."""
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # conftest.py: src first
+    # The repository for `tests.`; then tests/conftest.py's path, which leads with the source tree
+    # the tests loaded (the repository root holds no `leantrain` package, so that one is imported).
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
 
 
