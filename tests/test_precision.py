@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import leantrain as lt
+from leantrain.checkpoint import unique_tensors
 from leantrain.examples.charlm import CharLMTask
 from leantrain.examples.digits import DigitsTask
 from leantrain.step.accumulator import StepStatus
@@ -359,3 +360,85 @@ def test_the_scale_settling_at_the_start_is_counted_but_not_warned_about(fit, re
     result = fit(task, precision="16-mixed", global_batch_size=16, max_steps=12, log_every_n_steps=4)
     assert result.skipped_steps >= 4
     assert not [w for w in recwarn if issubclass(w.category, lt.LeantrainWarning)]
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_every_mode_clips_by_the_norm_the_strategy_measures(name):
+    """Each of the 4 weights gets the gradient 8 x 1/64 = 0.125 (norm 0.25; small enough for fp16
+    at the initial loss scale). A pipeline stage holds only its own parameters, so the strategy's
+    norm covers all stages: here twice this stage's, and that is the norm clipping must use."""
+    model = nn.Linear(4, 1, bias=False)
+    precision = make_precision(name, CPU)
+    params = precision.prepare(model)
+    with precision.autocast():
+        loss = model(torch.full((8, 4), 1 / 64, dtype=precision.input_dtype or torch.float32)).sum()
+    precision.backward(loss)
+    stage_norms = []
+
+    def all_stages_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+        stage_norms.append(float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))))
+        return torch.tensor(2 * stage_norms[-1])
+
+    report = precision.unscale_and_clip(params, 0.1, all_stages_norm)
+    assert stage_norms == [pytest.approx(0.25, rel=1e-3)]  # unscaled, measured once
+    assert float(report.norm) == pytest.approx(0.5, rel=1e-3)  # the norm before clipping is reported
+    clipped = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))
+    assert float(clipped) == pytest.approx(0.1 * 0.25 / 0.5, rel=1e-3)  # scaled by max_norm / global norm
+    if report.overflow is not None:
+        assert float(report.overflow) == 0.0
+
+
+class PartlyFrozen(TinyClassifier):
+    """The first layer frozen, and an optimizer over the trainable parameters only (the usual recipe)."""
+
+    def model(self) -> nn.Module:
+        model = super().model()
+        model[0].requires_grad_(False)
+        return model
+
+    def optimizer(self, params):
+        self.trainable_given = [p for p in params if p.requires_grad]
+        return torch.optim.Adam(self.trainable_given, lr=1e-2)
+
+
+@pytest.mark.parametrize("name", ["bf16-true", "16-true"])
+def test_a_partly_frozen_model_trains_in_true_16_bit(fit, recwarn, name):
+    task = PartlyFrozen()
+    torch.manual_seed(0)
+    initial = task.model().state_dict()
+    result = fit(task, precision=name, global_batch_size=32, max_steps=3, seed=0, max_grad_norm=1.0)
+    exported = load_file(result.out_dir / "model.safetensors")
+    for key in ("0.weight", "0.bias"):  # frozen: exactly the initial values, and no master asks for a grad
+        assert torch.equal(exported[key], initial[key]), key
+    assert not torch.equal(exported["2.weight"], initial["2.weight"])  # the rest trained
+    # The fp32 masters the optimizer receives keep the model's requires_grad (what users filter on).
+    assert [p.shape for p in task.trainable_given] == [(2, 16), (2,)]
+    assert not [w for w in recwarn if issubclass(w.category, lt.LeantrainWarning)]
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+
+@pytest.mark.parametrize("name", ["bf16-true", "16-true"])
+def test_true_16_bit_exports_tied_weights_as_their_one_master(name):
+    model = Tied()
+    precision = make_precision(name, CPU)
+    [master] = precision.prepare(model)
+    with torch.no_grad():
+        master.add_(1e-4)  # an update below 16-bit resolution: only the master holds it
+    state = precision.trained_state_dict(model)
+    assert list(unique_tensors(state)) == ["embed.weight"]  # one storage: exported once
+    assert torch.equal(state["head.weight"], master)
+
+
+def test_true_16_bit_names_itself_and_refuses_masters_of_another_model():
+    precision = make_precision("bf16-true", CPU)
+    assert precision.name == "bf16-true"
+    precision.prepare(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"^1 master weights saved, the model has 2$"):
+        precision.load_state_dict({"masters": [torch.zeros(2, 2)]})
