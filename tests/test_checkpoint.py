@@ -113,11 +113,12 @@ def test_truncated_file(tmp_path):
     expect_one_line_error(tmp_path / "c.pt", "is corrupt or truncated")
 
 
-@pytest.mark.parametrize("seed", range(200))
-def test_random_bytes(tmp_path, seed):
-    """Arbitrary bytes reach many corners of the unpickler (an IndexError once failed a run)."""
-    (tmp_path / "r.pt").write_bytes(random.Random(seed).randbytes(4096))
-    expect_one_line_error(tmp_path / "r.pt", "is corrupt or truncated")
+def test_random_bytes(tmp_path):
+    """Arbitrary bytes reach many corners of the unpickler (an IndexError once failed a run).
+    One test over 200 seeds, not 200 tests: the same cases at a tenth of the time."""
+    for seed in range(200):
+        (tmp_path / f"r{seed}.pt").write_bytes(random.Random(seed).randbytes(4096))
+        expect_one_line_error(tmp_path / f"r{seed}.pt", "is corrupt or truncated")
 
 
 def test_missing_file_and_folder(tmp_path):
