@@ -55,10 +55,16 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+def reference_run(tmp_path_factory) -> Path:
+    """One uninterrupted run, shared by the module's tests."""
     out = tmp_path_factory.mktemp("reference") / "run"
     finish(out)
-    return weights(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> dict[str, torch.Tensor]:
+    return weights(reference_run)
 
 
 def assert_bit_identical(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -112,10 +118,8 @@ def test_sigterm_saves_exits_128_plus_15_and_resumes(tmp_path, reference):
     assert_bit_identical(weights(out), reference)
 
 
-def test_export_turns_a_checkpoint_into_the_same_weights(tmp_path, reference):
-    out = tmp_path / "run"
-    finish(out)
-    checkpoint = out / "checkpoints" / "step-00000050.pt"
+def test_export_turns_a_checkpoint_into_the_same_weights(tmp_path, reference_run, reference):
+    checkpoint = reference_run / "checkpoints" / "step-00000050.pt"
     done = subprocess.run([LEANTRAIN, "export", str(checkpoint), str(tmp_path / "w.safetensors")],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
