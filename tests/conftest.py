@@ -142,6 +142,13 @@ class ReadEachStep:
         return set(self.values.values())
 
 
+def without_validation(task: Any) -> Any:
+    """``task`` with no validation data, for tests of the training steps: the end-of-run validation
+    would cost most of a short run and checks nothing they assert."""
+    task.val_data = lambda: None
+    return task
+
+
 def quiet_config(out_dir: Path, **fields: Any) -> lt.TrainConfig:
     """A config that writes into ``out_dir`` and prints nothing."""
     fields.setdefault("progress", "none")

@@ -13,10 +13,12 @@ from leantrain.blocks import BlockPolicy, block_classes, matching_blocks
 from leantrain.examples.charlm import CharLMTask
 from leantrain.memory.estimate import estimate_memory, fewest_checkpointed_blocks
 from leantrain.memory.recompute import apply_activation_checkpointing
+from tests.conftest import without_validation
 
 
 def small_charlm(dropout: float = 0.1) -> CharLMTask:
-    return CharLMTask(block=32, layers=4, width=64, heads=4, max_chars=60_000, dropout=dropout)
+    task = CharLMTask(block=32, layers=4, width=64, heads=4, max_chars=60_000, dropout=dropout)
+    return without_validation(task)
 
 
 def saved_bytes_and_grads(task: CharLMTask, model: nn.Module, batch) -> tuple[int, list[torch.Tensor]]:
