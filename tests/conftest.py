@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +143,19 @@ class ReadEachStep:
 
     def seen(self) -> set[Any]:
         return set(self.values.values())
+
+
+@contextmanager
+def one_worker_at_a_time(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """A folder that every pytest-xdist worker of this session shares, held by one worker at a time:
+    a session fixture that makes something slow in it once (if absent) serves all of them."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the workers' base folders are siblings under the session's own
+    folder = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield folder
 
 
 def without_validation(task: Any) -> Any:

@@ -28,6 +28,7 @@ from leantrain.checkpoint import (
     save_checkpoint,
     unique_tensors,
 )
+from leantrain.strategies.sharded_state import ShardedState
 
 
 def small_state(step: int = 1) -> dict:
@@ -253,3 +254,26 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     leftovers = [p for p in tmp_path.iterdir() if p.name != "step.pt"]
     assert leftovers and all(".tmp-" in p.name for p in leftovers)  # the torn file is the temporary one
     assert load_checkpoint(path)["step"] == 1
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP: one process saving
+def test_a_sharded_checkpoint_exports_the_whole_model_from_one_process(tmp_path, recwarn):
+    """`leantrain export` of an fsdp or pipeline checkpoint gathers the model from its DCP shards
+    without a process group (here written by one process, the same format as several)."""
+
+    class OneProcessShards(ShardedState):
+        def __init__(self, model: nn.Module) -> None:
+            self.model = model
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()  # optimizer state saved beside the model: the export must leave it out
+    folder = CheckpointFolder(tmp_path, keep=2)
+    OneProcessShards(model).save_sharded(folder.shard_folder(5), optimizer)
+    folder.save(5, {**small_state(5), "model": None, "sharded": folder.shard_folder(5).name})
+    recwarn.clear()
+    exported = load_file(export_checkpoint(tmp_path / "step-00000005.pt", tmp_path / "w.safetensors"))
+    assert not recwarn.list  # the export says nothing about process groups
+    assert sorted(exported) == sorted(model.state_dict())
+    assert all(torch.equal(exported[name], value) for name, value in model.state_dict().items())

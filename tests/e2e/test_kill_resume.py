@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import one_worker_at_a_time
+
 LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
 # digits: 1,437 training samples / 32 = 44 steps an epoch, so 50 steps cross an epoch
 # boundary, and most kills land mid-epoch; micro-batch 8 = 4 accumulation steps.
@@ -54,15 +56,17 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(out / "model.safetensors")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> Path:
-    """One uninterrupted run, shared by the module's tests."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    finish(out)
+    """One uninterrupted run, shared by the tests of every pytest-xdist worker (the first to ask
+    trains it, the others wait for it: it uses both cores anyway)."""
+    with one_worker_at_a_time(tmp_path_factory, "kill-resume-reference") as out:
+        if not (out / "model.safetensors").is_file():
+            finish(out)
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(reference_run) -> dict[str, torch.Tensor]:
     return weights(reference_run)
 
@@ -73,17 +77,21 @@ def assert_bit_identical(actual: dict[str, torch.Tensor], expected: dict[str, to
         assert torch.equal(actual[name], expected[name]), name
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_sigkill_at_a_random_moment_then_resume_auto(tmp_path, reference, seed):
-    chooser = random.Random(seed)
+def test_sigkill_at_random_moments_then_resume_auto_each_time(tmp_path, reference):
+    """Three kills of one run at random moments (each anywhere inside a step or its save), each
+    followed by `--resume auto`: the weights end bit-identical to the uninterrupted run's."""
+    chooser = random.Random(0)
     out = tmp_path / "run"
-    process = start(out)
-    wait_for_step(process, chooser.randint(2, 45))
-    time.sleep(chooser.uniform(0, 0.05))  # anywhere inside the next step, or its save
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL
-    finish(out, "--resume", "auto")
+    resume: tuple[str, ...] = ()
+    for first, last in ((2, 15), (16, 30), (31, 45)):  # later each time: every process makes progress
+        process = start(out, *resume)
+        wait_for_step(process, chooser.randint(first, last))
+        time.sleep(chooser.uniform(0, 0.05))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        assert process.returncode == -signal.SIGKILL
+        resume = ("--resume", "auto")
+    finish(out, *resume)
     assert_bit_identical(weights(out), reference)
 
 
