@@ -277,3 +277,40 @@ def test_a_sharded_checkpoint_exports_the_whole_model_from_one_process(tmp_path,
     assert not recwarn.list  # the export says nothing about process groups
     assert sorted(exported) == sorted(model.state_dict())
     assert all(torch.equal(exported[name], value) for name, value in model.state_dict().items())
+
+
+def test_a_state_that_does_not_fit_is_one_line_cut_at_300_characters(tmp_path):
+    """torch lists every missing key over many lines: the account is its first 300 characters, on
+    one line; an error without a message is named by its type."""
+    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(40)])
+    with pytest.raises(RuntimeError) as torch_error:
+        model.load_state_dict({})
+    torch_text = " ".join(str(torch_error.value).split())
+    assert len(torch_text) > 300
+    with pytest.raises(lt.CheckpointError) as caught:
+        load_into(model, {}, "model", tmp_path / "c.pt")
+    expected = f"checkpoint {tmp_path / 'c.pt'} does not match this run's model: {torch_text[:300]}..."
+    assert str(caught.value) == expected
+
+    class Refuses:
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def load_state_dict(self, state):
+            raise self.error
+
+    def account(error: Exception) -> str:
+        with pytest.raises(lt.CheckpointError) as caught:
+            load_into(Refuses(error), {}, "optimizer", tmp_path / "c.pt")
+        return str(caught.value).split("does not match this run's optimizer: ")[1]
+
+    assert account(ValueError("x" * 300)) == "x" * 300  # the longest kept whole
+    assert account(ValueError("x" * 301)) == "x" * 300 + "..."
+    assert account(KeyError()) == "KeyError"  # no message: the type
+
+
+def test_export_into_a_path_under_a_file_names_the_out_argument(tmp_path):
+    save_checkpoint(tmp_path / "c.pt", {"model": nn.Linear(2, 1).state_dict()})
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(lt.ConfigError, match=r"^invalid out='.*file': is a file; give a folder$"):
+        export_checkpoint(tmp_path / "c.pt", tmp_path / "file" / "w.safetensors")

@@ -5,14 +5,17 @@ with a note saying where it happened."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 import leantrain as lt
-from leantrain.data.loader import collate
+from leantrain.data.loader import NamedItemErrors, collate
 from leantrain.errors import DataError, LeantrainWarning, TaskError
 from leantrain.memory.estimate import estimate_memory
 from leantrain.step.accumulator import TaskLoss
@@ -309,3 +312,110 @@ def test_a_second_call_on_the_same_batch_is_the_same_micro_batch():
 def test_the_plan_names_ragged_items_too():
     with pytest.raises(TaskError, match=r"^train_data items 0 and 3 differ at field \[0\]"):
         estimate_memory(BrokenItems("ragged"), lt.TrainConfig(global_batch_size=8))
+
+
+def docs_errors_row(start: str) -> str:
+    """The message that docs/errors.md's Task contract table shows for a row starting ``start``."""
+    text = (Path(__file__).parents[1] / "docs" / "errors.md").read_text()
+    [row] = [line for line in text.splitlines() if line.startswith(f"| {start}")]
+    return row.split(" | ")[1].strip("` |")
+
+
+def test_the_none_and_shape_messages_are_the_ones_docs_errors_md_shows():
+    ragged = [(torch.zeros(4), torch.zeros(1)), (torch.zeros(5), torch.zeros(1))]
+    with pytest.raises(TaskError) as caught:
+        collate(ragged, [2, 3], "train_data")
+    assert str(caught.value) == docs_errors_row("items of different shapes")
+    shown = docs_errors_row("an item that is `None`")
+    assert shown.endswith("; ...")
+    with pytest.raises(TaskError) as caught:
+        collate([(torch.zeros(4), 1)] * 5 + [None], [0, 1, 2, 3, 4, 5], "train_data")
+    assert str(caught.value).startswith(shown.removesuffix("..."))
+
+
+@pytest.mark.parametrize(
+    ("first", "other", "difference"),
+    [
+        (torch.zeros(2), 3, "Tensor vs int"),
+        (3, torch.zeros(2), "int vs Tensor"),
+        (5, (1, 2), "int vs tuple"),
+        ({"x": 1, "y": 2}, {"x": 1}, "keys ['x', 'y'] vs keys ['x']"),
+        ({1: 1}, {"1": 1}, "keys ['1'] vs keys ['1']"),  # the keys differ, their printed forms do not
+        (np.zeros(2), np.zeros(3), "shape [2] vs shape [3]"),
+        ([1, 2], [1, 2, 3], "length 2 vs length 3"),
+    ],
+)
+def test_collate_says_how_two_items_differ(first, other, difference):
+    with pytest.raises(
+        TaskError, match=r"^val_data items 10 and 11 differ: (.*); the items of a batch"
+    ) as caught:
+        collate([first, other], [10, 11], "val_data")
+    assert str(caught.value).split(" differ: ")[1].split("; ")[0] == difference
+
+
+def test_collate_of_fewer_items_than_indices_names_the_items_it_has():
+    """A dataset's own __getitems__ may return fewer items than it was asked for."""
+    with pytest.raises(TaskError, match=r"^train_data items 4 and 5 differ: length 1 vs length 2;"):
+        collate([[1], [1, 2]], [4, 5, 6], "train_data")
+    with pytest.raises(TaskError, match=r"^train_data item 5 is None:"):
+        collate([[1], None], [4, 5, 6], "train_data")
+    with pytest.raises(TaskError, match=r"^train_data items \[4, 5, 6\] cannot be put into one batch: "):
+        collate([object(), object()], [4, 5, 6], "train_data")
+
+
+def test_items_that_collation_refuses_for_another_reason_get_its_own_words():
+    items = [object(), object()]
+    with pytest.raises(TypeError) as torch_error:
+        torch.utils.data.default_collate(items)
+    words = " ".join(str(torch_error.value).split())
+    with pytest.raises(TaskError) as caught:
+        collate(items, [7, 8], "train_data")
+    assert str(caught.value) == f"train_data items [7, 8] cannot be put into one batch: TypeError: {words}"
+
+
+class KeywordsOnly(Mapping):
+    """A read-only mapping item whose class cannot be rebuilt from a dict, as collation tries to."""
+
+    def __init__(self, *args, **fields) -> None:
+        if args:
+            raise ValueError("KeywordsOnly takes keywords:\n    KeywordsOnly(x=...)")
+        self.fields = fields
+
+    def __getitem__(self, key):
+        return self.fields[key]
+
+    def __iter__(self):
+        return iter(self.fields)
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+
+def test_a_collation_error_of_several_lines_is_told_on_one():
+    with pytest.raises(TaskError) as caught:
+        collate([KeywordsOnly(x=1), KeywordsOnly(x=2)], [0, 1], "train_data")
+    assert str(caught.value) == (
+        "train_data items [0, 1] cannot be put into one batch: ValueError: "
+        "KeywordsOnly takes keywords: KeywordsOnly(x=...)"
+    )
+
+
+class FailsOnce(TensorDataset):
+    """Item 3 fails the first time only (a read that a retry would fix)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.zeros(8, 2))
+        self.failed = False
+
+    def __getitem__(self, index):
+        if index == 3 and not self.failed:
+            self.failed = True
+            raise OSError("connection reset")
+        return super().__getitem__(index)
+
+
+def test_a_batch_that_fails_once_but_whose_items_load_alone_names_the_batch():
+    loader = NamedItemErrors(FailsOnce(), "train_data")
+    with pytest.raises(DataError) as caught:
+        loader.__getitems__([2, 3, 4])
+    assert str(caught.value) == "train_data items [2, 3, 4] failed: OSError: connection reset"

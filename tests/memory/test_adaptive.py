@@ -5,10 +5,18 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
+from torch import nn
 
 import leantrain as lt
 from leantrain.memory.adaptive import AllocatorRetries, next_smaller, search_micro_batch
 from leantrain.memory.estimate import estimate_memory
+from leantrain.step.accumulator import Accumulator, StepStatus
+from leantrain.step.batching import BatchSplit
+from leantrain.step.losses import LossTracker
+from leantrain.step.precision import Fp32
+from leantrain.strategies.dims import ParallelDims
+from leantrain.strategies.single import Single
 from tests.conftest import HeavyFromStep, RegressionTask
 
 
@@ -116,3 +124,75 @@ def test_lr_scaling_and_its_reference_come_together():
 def test_a_budget_that_is_not_a_size_is_refused():
     with pytest.raises(lt.ConfigError, match="memory_budget='lots': must be a size"):
         lt.TrainConfig(memory_budget="lots")
+
+
+class OutOfMemoryInBackward(torch.autograd.Function):
+    """The identity, whose backward runs out of memory."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("simulated: out of memory in backward")
+
+
+class AsOneOfSeveralProcesses(Single):
+    multi_process = True  # its collectives are still the identity: one process plays a rank
+
+
+def accumulator_asking(strategy_class: type[Single], asked: list[bool]) -> tuple[Accumulator, nn.Module]:
+    model = nn.Linear(3, 1)
+    strategy = strategy_class(lt.TrainConfig(), torch.device("cpu"), ParallelDims())
+    strategy.wrap(model, None)
+
+    def agree_on_oom(ran_out: bool) -> bool:
+        asked.append(ran_out)
+        return ran_out
+
+    split = BatchSplit(global_batch_size=4, micro_batch_size=4)
+    return Accumulator(split, Fp32(), strategy, list(model.parameters()), None, agree_on_oom), model
+
+
+@pytest.mark.parametrize("strategy_class", [Single, AsOneOfSeveralProcesses])
+def test_ranks_agree_once_a_step_and_an_error_after_the_agreement_is_not_agreed_again(strategy_class):
+    """Every rank asks the others once per step, before its last backward (where DDP's all-reduce
+    starts): an out-of-memory error after that cannot be agreed on any more. With several
+    processes that is an error naming the remedy; one process abandons the step, asking nothing."""
+    asked: list[bool] = []
+    accumulator, model = accumulator_asking(strategy_class, asked)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(loss_fn):
+        return accumulator.step(optimizer, loss_fn, iter([torch.ones(4, 3)]), 0, LossTracker())
+
+    assert step(lambda m, b: m(b).pow(2).mean()).status is StepStatus.STEPPED
+    assert asked == [False]
+    late = lambda m, b: OutOfMemoryInBackward.apply(m(b)).pow(2).mean()  # noqa: E731
+    if strategy_class.multi_process:
+        with pytest.raises(lt.LeantrainError, match="out of memory in the last backward of a step, after"):
+            step(late)
+    else:
+        assert step(late).status is StepStatus.OUT_OF_MEMORY
+    assert asked == [False, False]
+
+
+def test_an_out_of_memory_error_before_the_agreement_is_told_to_the_others():
+    asked: list[bool] = []
+    accumulator, model = accumulator_asking(Single, asked)
+
+    def runs_out(model, batch):
+        raise torch.OutOfMemoryError("simulated: out of memory in forward")
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    outcome = accumulator.step(optimizer, runs_out, iter([torch.ones(4, 3)]), 0, LossTracker())
+    assert outcome.status is StepStatus.OUT_OF_MEMORY
+    assert asked == [True]
+
+
+def test_micro_batch_choices_divide_the_batch_of_each_process():
+    assert BatchSplit(12, 12).micro_batch_choices() == [1, 2, 3, 4, 6, 12]
+    assert BatchSplit(24, 12, world_size=2).micro_batch_choices() == [1, 2, 3, 4, 6, 12]
+    assert BatchSplit(14, 7, world_size=2).micro_batch_choices() == [1, 7]
+    assert BatchSplit(16, 8, world_size=2).with_micro_batch(2) == BatchSplit(16, 2, world_size=2)
