@@ -13,7 +13,7 @@ import leantrain as lt
 from leantrain.checkpoint import unique_tensors
 from leantrain.examples.charlm import CharLMTask
 from leantrain.examples.digits import DigitsTask
-from leantrain.step.accumulator import StepStatus
+from leantrain.step.accumulator import StepStatus, _underflow_share
 from leantrain.step.loss_scaler import INITIAL_SCALE, DynamicLossScaler
 from leantrain.step.precision import Autocast, Fp32, MasterWeights, make_precision
 from tests.conftest import TinyClassifier
@@ -442,3 +442,23 @@ def test_true_16_bit_names_itself_and_refuses_masters_of_another_model():
     precision.prepare(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"^1 master weights saved, the model has 2$"):
         precision.load_state_dict({"masters": [torch.zeros(2, 2)]})
+
+
+SMALLEST_NORMAL = torch.finfo(torch.float16).tiny  # 2**-14: below it fp16 loses precision
+
+
+@pytest.mark.parametrize(
+    ("values", "share"),
+    [
+        # Exact zeros are left out; the smallest normal itself is not below it: 1 of 4.
+        ([0.0, 0.0, 1e-6, 1.0, SMALLEST_NORMAL, 2.0], 0.25),
+        ([0.0, 1.0], 0.0),  # one non-zero value, not tiny
+        ([0.0, 1e-6], 1.0),  # one non-zero value, tiny
+        ([0.0, 0.0], 1.0),  # zero everywhere: fully underflowed
+    ],
+)
+def test_the_underflow_share_counts_non_zero_values_below_fp16s_smallest_normal(values, share):
+    param = nn.Parameter(torch.zeros(len(values)))
+    param.grad = torch.tensor(values)
+    assert float(_underflow_share([param, nn.Parameter(torch.zeros(1))])) == share  # no grad: skipped
+    assert _underflow_share([nn.Parameter(torch.zeros(1))]) is None

@@ -137,6 +137,8 @@ def test_a_loss_without_grad_fn_says_how_it_lost_it(fit, loss_sum, search):
     with pytest.raises(TaskError, match=r"task\.loss returned .* does not require grad") as caught:
         train(fit, NoGrad(loss_sum), **fields)
     assert "(no grad_fn): it was computed under torch.no_grad()" in str(caught.value)
+    remedy = "or only from frozen parameters; compute it from the model's output with autograd on"
+    assert str(caught.value).endswith(remedy)
 
 
 class Identity(Linear):
@@ -419,3 +421,11 @@ def test_a_batch_that_fails_once_but_whose_items_load_alone_names_the_batch():
     with pytest.raises(DataError) as caught:
         loader.__getitems__([2, 3, 4])
     assert str(caught.value) == "train_data items [2, 3, 4] failed: OSError: connection reset"
+
+
+def test_an_item_read_alone_names_its_index():
+    """Indexed one item at a time (as any Dataset may be), a failing item names its index too."""
+    with pytest.raises(DataError) as caught:
+        NamedItemErrors(FailsOnce(), "train_data")[3]
+    assert str(caught.value) == "train_data item 3 failed: OSError: connection reset"
+    assert torch.equal(NamedItemErrors(FailsOnce(), "train_data")[2][0], torch.zeros(2))

@@ -96,12 +96,18 @@ def test_check_map_style_rejects_what_is_neither_map_style_nor_a_stream():
 
 def test_move_to_device_keeps_the_structure():
     Pair = namedtuple("Pair", "a b")
-    batch = {"x": torch.ones(2), "rest": [Pair(torch.zeros(1), 3), (torch.ones(1),)], "name": "n"}
+    batch = {
+        "x": torch.ones(2),
+        "rest": [Pair(torch.zeros(1), 3), (torch.ones(1), torch.ones(3))],
+        "name": "n",
+    }
     moved = move_to_device(batch, torch.device("meta"))
     assert moved["x"].device.type == "meta"
     assert isinstance(moved["rest"][0], Pair) and moved["rest"][0].a.device.type == "meta"
     assert moved["rest"][0].b == 3 and moved["name"] == "n"
-    assert isinstance(moved["rest"][1], tuple)
+    pair = moved["rest"][1]
+    assert type(pair) is tuple and [t.shape for t in pair] == [(1,), (3,)]
+    assert all(t.device.type == "meta" for t in pair)
 
 
 def test_cpu_batches_pass_through_untouched():
@@ -117,6 +123,16 @@ def test_a_dtype_casts_floating_tensors_only():
     (out,) = device_batches([batch], torch.device("cpu"), torch.bfloat16)
     assert out["x"].dtype == torch.bfloat16 and out["label"].dtype == torch.int64
     assert torch.equal(out["label"], batch["label"])
+
+
+def test_a_dtype_reaches_the_fields_of_every_container():
+    """The inputs of a true 16-bit model, however the task nests them (a namedtuple's float field
+    left in fp32 would meet bf16 weights)."""
+    Pair = namedtuple("Pair", "x label")
+    batch = [Pair(torch.ones(2), torch.tensor([1])), (torch.ones(2),), {"x": [torch.ones(1)]}]
+    (out,) = device_batches([batch], torch.device("cpu"), torch.bfloat16)
+    assert out[0].x.dtype == torch.bfloat16 and out[0].label.dtype == torch.int64
+    assert out[1][0].dtype == torch.bfloat16 and out[2]["x"][0].dtype == torch.bfloat16
 
 
 def test_other_devices_get_batches_moved():
