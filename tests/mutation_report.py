@@ -4,6 +4,10 @@ Reads ``mutmut results --all true`` (run from the repository root after ``mutmut
 prints a markdown table and, with ``--write``, puts it into tests/MUTATION.md between the
 ``<!-- mutation table -->`` markers. A mutant's name is ``<module>.x_<function>__mutmut_<n>``
 (``xǁClassǁmethod`` for methods), so its module is the part before ``.x``.
+
+Survivors listed in tests/mutation_equivalent.txt (with why each cannot change what a user gets)
+are counted apart, as *equivalent*; *killed %* is over the mutants that can change behaviour.
+A listed mutant that no longer survives is reported as stale: take it off the list.
 """
 
 from __future__ import annotations
@@ -16,25 +20,39 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 MUTATION_MD = Path(__file__).with_name("MUTATION.md")
+EQUIVALENT_TXT = Path(__file__).with_name("mutation_equivalent.txt")
 BEGIN, END = "<!-- mutation table -->", "<!-- end of mutation table -->"
-LINE = re.compile(r"^\s*(?P<module>[\w.]+)\.x[_ǁ]\S*__mutmut_\d+: (?P<status>.+?)\s*$")
-# mutmut's words -> the table's columns; "not checked": the run was stopped before it got there.
-COLUMNS = ("killed", "survived", "no tests", "timeout", "suspicious", "segfault", "not checked")
+LINE = re.compile(r"^\s*(?P<name>(?P<module>[\w.]+)\.x[_ǁ]\S*__mutmut_\d+): (?P<status>.+?)\s*$")
+# mutmut's words -> the table's columns; "not checked": the run was stopped before it got there;
+# "equivalent": a survivor listed in mutation_equivalent.txt.
+COLUMNS = ("killed", "survived", "equivalent", "no tests", "timeout", "suspicious", "segfault", "not checked")
 
 
-def counts(results: str) -> dict[str, Counter]:
-    """Module -> status -> mutants, from the text of ``mutmut results --all true``."""
+def equivalent_mutants(text: str) -> set[str]:
+    """The names in mutation_equivalent.txt: the first word of each line that is not a comment."""
+    return {line.split()[0] for line in text.splitlines() if line.strip() and not line.startswith("#")}
+
+
+def counts(results: str, equivalent: set[str] = frozenset()) -> tuple[dict[str, Counter], list[str]]:
+    """Module -> status -> mutants, from the text of ``mutmut results --all true``; and the listed
+    equivalents that did not survive (stale entries)."""
     by_module: dict[str, Counter] = defaultdict(Counter)
+    survivors = set()
     for line in results.splitlines():
         match = LINE.match(line)
         if match:
-            by_module[match["module"]][match["status"]] += 1
-    return dict(by_module)
+            status = match["status"]
+            if status == "survived":
+                survivors.add(match["name"])
+                status = "equivalent" if match["name"] in equivalent else status
+            by_module[match["module"]][status] += 1
+    return dict(by_module), sorted(equivalent - survivors)
 
 
 def table(by_module: dict[str, Counter]) -> str:
-    """Markdown: one row per module and a total; *killed %* counts the mutants that ran (killed,
-    survived or timed out: a timeout is a kill, the mutant made the tests hang)."""
+    """Markdown: one row per module and a total; *killed %* counts the mutants that ran and can
+    change behaviour (killed, survived or timed out: a timeout is a kill, the mutant made the
+    tests hang)."""
     head = ["module", "mutants", *COLUMNS, "killed %"]
     rows = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     total: Counter = Counter()
@@ -67,11 +85,13 @@ def main() -> int:
     args = parser.parse_args()
     mutmut = Path(sys.executable).with_name("mutmut")
     done = subprocess.run([mutmut, "results", "--all", "true"], capture_output=True, text=True, check=True)
-    by_module = counts(done.stdout)
+    by_module, stale = counts(done.stdout, equivalent_mutants(EQUIVALENT_TXT.read_text()))
     if not by_module:
         raise SystemExit("no mutants found: run `make mutate` (or `mutmut run`) first")
     text = table(by_module)
     print(text)
+    for name in stale:
+        print(f"stale in {EQUIVALENT_TXT.name}: {name} did not survive (killed, renamed or not run)")
     if args.write:
         write_into(MUTATION_MD, text)
     return 0
