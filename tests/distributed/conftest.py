@@ -6,6 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,14 +29,52 @@ def worker_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
 
 
-def leantrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [LEANTRAIN, *args], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout
-    )
-    assert done.returncode == 0, (
-        f"leantrain {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    )
-    return done
+# The stop signals torchrun's launcher installs handlers for in its own process (to forward them).
+LAUNCHER_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+)
+
+
+@contextmanager
+def as_a_launcher() -> Iterator[None]:
+    """This process set up as `leantrain launch` would be (the workers' environment, the repository
+    as the working folder), and put back afterwards, with the signal handlers torchrun installs."""
+    environment, folder = dict(os.environ), os.getcwd()
+    handlers = {number: signal.getsignal(number) for number in LAUNCHER_SIGNALS}
+    os.environ.update(worker_env())
+    os.chdir(REPO)
+    try:
+        yield
+    finally:
+        os.chdir(folder)
+        os.environ.clear()
+        os.environ.update(environment)
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+
+
+def leantrain(*args: str) -> subprocess.CompletedProcess:
+    """``leantrain launch ...``, with torchrun's launcher in this process: the workers are real
+    processes, but the launcher's own interpreter start-up (~3 s of CPU a launch, most of a small
+    test's cost) is saved; tests of the launcher itself start it as a process. The workers' output
+    (stdout and stderr together) is returned as ``stdout``."""
+    assert args[0] == "launch", args
+    with tempfile.TemporaryFile() as output, as_a_launcher():
+        sys.stdout.flush(), sys.stderr.flush()
+        kept = os.dup(1), os.dup(2)
+        os.dup2(output.fileno(), 1)  # the workers inherit these
+        os.dup2(output.fileno(), 2)
+        try:
+            code = cli.main(list(args))
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            for fd, original in zip((1, 2), kept, strict=True):
+                os.dup2(original, fd)
+                os.close(original)
+        output.seek(0)
+        text = output.read().decode(errors="replace")
+    assert code == 0, f"leantrain {' '.join(args)} failed:\n{text[-6000:]}"
+    return subprocess.CompletedProcess(["leantrain", *args], code, text, "")
 
 
 def fit_here(*fit_arguments: str) -> None:
