@@ -35,18 +35,18 @@ def equivalent_mutants(text: str) -> set[str]:
 
 def counts(results: str, equivalent: set[str] = frozenset()) -> tuple[dict[str, Counter], list[str]]:
     """Module -> status -> mutants, from the text of ``mutmut results --all true``; and the listed
-    equivalents that did not survive (stale entries)."""
+    equivalents that were run and did not survive, or are no longer made (stale entries)."""
     by_module: dict[str, Counter] = defaultdict(Counter)
-    survivors = set()
+    status_of = {}
     for line in results.splitlines():
         match = LINE.match(line)
         if match:
-            status = match["status"]
-            if status == "survived":
-                survivors.add(match["name"])
-                status = "equivalent" if match["name"] in equivalent else status
+            status = status_of[match["name"]] = match["status"]
+            if status == "survived" and match["name"] in equivalent:
+                status = "equivalent"
             by_module[match["module"]][status] += 1
-    return dict(by_module), sorted(equivalent - survivors)
+    stale = [name for name in equivalent if status_of.get(name) not in ("survived", "not checked")]
+    return dict(by_module), sorted(stale)
 
 
 def table(by_module: dict[str, Counter]) -> str:

@@ -85,8 +85,13 @@ def test_newest_valid_skips_a_checkpoint_whose_shards_are_incomplete(tmp_path):
     _, state = folder.newest_valid(warn=warnings.append)
     assert state["step"] == 1
     assert len(warnings) == 1 and "step-00000002.dcp is missing or incomplete" in warnings[0]
-    with pytest.raises(lt.CheckpointError, match="missing or incomplete"):
+    with pytest.raises(lt.CheckpointError) as caught:
         export_checkpoint(tmp_path / "step-00000002.pt", tmp_path / "out.safetensors")
+    shards = tmp_path / "step-00000002.dcp"
+    expected = (
+        f"checkpoint {tmp_path / 'step-00000002.pt'}: its sharded state {shards} is missing or incomplete"
+    )
+    assert str(caught.value) == expected
 
 
 def test_newest_valid_skips_a_corrupt_newest_file_with_a_warning(tmp_path):

@@ -93,7 +93,8 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_run_resumes_exactly(tmp
     else:
         assert "No space left on device" in message
     good = run_dir / "checkpoints" / "step-00000004.pt"
-    assert f"the last good checkpoint is {good}" in message and "--resume auto" in message
+    remedy = "free space or restore write access, then continue with --resume auto"
+    assert message.endswith(f"; the last good checkpoint is {good}: {remedy}")
     assert load_checkpoint(good)["step"] == 4  # intact
     assert sorted(p.name for p in good.parent.iterdir()) == ["step-00000004.pt"]  # no torn file left
     small_disk.free()
@@ -110,7 +111,9 @@ def test_the_cli_says_it_in_one_line_with_its_own_exit_code(small_disk, capsys):
     assert code == EXIT_STORAGE == 74
     assert len(error.splitlines()) == 1, error
     assert error.startswith(f"leantrain: error: could not write checkpoint {out / 'checkpoints'}")
-    assert "no checkpoint was written yet" in error
+    assert error.endswith(
+        "; no checkpoint was written yet: free space or restore write access, then start again"
+    )
 
 
 def test_a_refused_write_is_named_whoever_writes_it(tmp_path):
@@ -178,7 +181,9 @@ def test_a_full_disk_when_the_weights_are_exported_at_the_end(small_disk):
         train(small_disk.folder / "run", [FullAtTheEnd()], max_steps=4, checkpoint_every="never")
     assert "could not write weights" in str(caught.value)
     assert "No space left on device" in str(caught.value)
-    assert "no checkpoint is kept (checkpoint_every never)" in str(caught.value)
+    assert str(caught.value).endswith(
+        "; no checkpoint is kept (checkpoint_every never): the run must start again"
+    )
 
 
 @pytest.mark.parametrize("blind", [False, True], ids=["checked-before-writing", "failed-while-writing"])

@@ -11,11 +11,14 @@ RESULTS = """
     leantrain.step.losses.x_helper__mutmut_2: timeout
     leantrain.checkpoint.x_save__mutmut_1: no tests
     leantrain.checkpoint.x_save__mutmut_2: killed
+    leantrain.checkpoint.x_save__mutmut_3: not checked
 """
 EQUIVALENT = """
 # a comment
 leantrain.step.losses.xǁ_Columnǁdoubled__mutmut_3  # the default device is the CPU here
 leantrain.checkpoint.x_save__mutmut_2  # killed since: stale
+leantrain.checkpoint.x_save__mutmut_3  # not run yet: not stale
+leantrain.checkpoint.x_gone__mutmut_1  # no longer made (the function was renamed): stale
 """
 
 
@@ -24,7 +27,7 @@ def test_listed_survivors_are_equivalent_and_listed_kills_are_stale():
     losses = by_module["leantrain.step.losses"]
     assert (losses["killed"], losses["survived"], losses["equivalent"], losses["timeout"]) == (1, 1, 1, 1)
     assert by_module["leantrain.checkpoint"]["no tests"] == 1
-    assert stale == ["leantrain.checkpoint.x_save__mutmut_2"]
+    assert stale == ["leantrain.checkpoint.x_gone__mutmut_1", "leantrain.checkpoint.x_save__mutmut_2"]
 
 
 def test_the_share_is_over_the_mutants_that_can_change_behaviour():
