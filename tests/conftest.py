@@ -130,6 +130,16 @@ class TinyClassifier:
         return torch.optim.Adam(params, lr=1e-2)
 
 
+class TiedEmbedding(nn.Module):
+    """An embedding whose weight the output head shares (as language models tie them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+
 class ReadEachStep:
     """A callback that reads ``read()`` after each optimizer step (or only after ``steps``)."""
 

@@ -29,6 +29,7 @@ from leantrain.checkpoint import (
     unique_tensors,
 )
 from leantrain.strategies.sharded_state import ShardedState
+from tests.conftest import TiedEmbedding
 
 
 def small_state(step: int = 1) -> dict:
@@ -211,14 +212,7 @@ def test_rng_states_round_trip_through_a_safe_load(tmp_path):
 
 
 def test_tied_weights_are_exported_once():
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(5, 3)
-            self.head = nn.Linear(3, 5, bias=False)
-            self.head.weight = self.embed.weight
-
-    unique = unique_tensors(Tied().state_dict())
+    unique = unique_tensors(TiedEmbedding().state_dict())
     assert list(unique) == ["embed.weight"]
 
 

@@ -16,7 +16,7 @@ from leantrain.examples.digits import DigitsTask
 from leantrain.step.accumulator import StepStatus, _underflow_share
 from leantrain.step.loss_scaler import INITIAL_SCALE, DynamicLossScaler
 from leantrain.step.precision import Autocast, Fp32, MasterWeights, make_precision
-from tests.conftest import TinyClassifier
+from tests.conftest import TiedEmbedding, TinyClassifier
 
 CPU = torch.device("cpu")
 MODES = ["32", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
@@ -416,17 +416,9 @@ def test_a_partly_frozen_model_trains_in_true_16_bit(fit, recwarn, name):
     assert not [w for w in recwarn if issubclass(w.category, lt.LeantrainWarning)]
 
 
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(5, 3)
-        self.head = nn.Linear(3, 5, bias=False)
-        self.head.weight = self.embed.weight
-
-
 @pytest.mark.parametrize("name", ["bf16-true", "16-true"])
 def test_true_16_bit_exports_tied_weights_as_their_one_master(name):
-    model = Tied()
+    model = TiedEmbedding()
     precision = make_precision(name, CPU)
     [master] = precision.prepare(model)
     with torch.no_grad():
