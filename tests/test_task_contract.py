@@ -349,7 +349,7 @@ def test_the_none_and_shape_messages_are_the_ones_docs_errors_md_shows():
 )
 def test_collate_says_how_two_items_differ(first, other, difference):
     with pytest.raises(
-        TaskError, match=r"^val_data items 10 and 11 differ: (.*); the items of a batch"
+        TaskError, match=r"^val_data items 10 and 11 differ: .*; the items of a batch"
     ) as caught:
         collate([first, other], [10, 11], "val_data")
     assert str(caught.value).split(" differ: ")[1].split("; ")[0] == difference

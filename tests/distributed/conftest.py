@@ -53,19 +53,19 @@ def as_a_launcher() -> Iterator[None]:
             signal.signal(number, handler)
 
 
-def leantrain(*args: str) -> subprocess.CompletedProcess:
+def launch_here(*launch_arguments: str) -> subprocess.CompletedProcess:
     """``leantrain launch ...``, with torchrun's launcher in this process: the workers are real
     processes, but the launcher's own interpreter start-up (~3 s of CPU a launch, most of a small
     test's cost) is saved; tests of the launcher itself start it as a process. The workers' output
     (stdout and stderr together) is returned as ``stdout``."""
-    assert args[0] == "launch", args
+    args = ["launch", *launch_arguments]
     with tempfile.TemporaryFile() as output, as_a_launcher():
         sys.stdout.flush(), sys.stderr.flush()
         kept = os.dup(1), os.dup(2)
         os.dup2(output.fileno(), 1)  # the workers inherit these
         os.dup2(output.fileno(), 2)
         try:
-            code = cli.main(list(args))
+            code = cli.main(args)
         finally:
             sys.stdout.flush(), sys.stderr.flush()
             for fd, original in zip((1, 2), kept, strict=True):
@@ -92,7 +92,7 @@ def trained_weights(out: Path, fit_arguments: list[str], processes: int = 1) -> 
     if processes == 1:
         fit_here(*arguments)
     else:
-        leantrain("launch", "--nproc-per-node", str(processes), *arguments)
+        launch_here("--nproc-per-node", str(processes), *arguments)
     return load_file(out / "model.safetensors")
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import fit_here, leantrain
+from tests.distributed.conftest import fit_here, launch_here
 
 GLOBAL = 16
 STEPS = 20
@@ -21,7 +21,7 @@ def train(out, task: str, processes: int, micro: int, flags: list[str]) -> dict[
     if processes == 1:
         fit_here(*fit)
     else:
-        leantrain("launch", "--nproc-per-node", str(processes), *fit)
+        launch_here("--nproc-per-node", str(processes), *fit)
     return load_file(out / "model.safetensors")
 
 

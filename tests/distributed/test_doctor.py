@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 from leantrain.diagnose.advice import VERDICTS
-from tests.distributed.conftest import leantrain
+from tests.distributed.conftest import launch_here
 
 
 def test_doctor_under_launch_measures_communication(tmp_path):
-    done = leantrain(
-        "launch", "--nproc-per-node", "2", "doctor", "--example", "charlm", "--steps", "3",
+    done = launch_here(
+        "--nproc-per-node", "2", "doctor", "--example", "charlm", "--steps", "3",
         "--warmup-steps", "2", "--global-batch-size", "16", "--micro-batch-size", "4", "--json",
         "--out", str(tmp_path / "run"),
     )  # fmt: skip

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from leantrain.checkpoint import export_checkpoint
-from tests.distributed.conftest import leantrain, run_with_one_kill, trained_weights
+from tests.distributed.conftest import launch_here, run_with_one_kill, trained_weights
 
 FIT = "fit --global-batch-size 16 --micro-batch-size 4 --max-steps 20 --progress plain --tensorboard false"
 FIT = FIT.split()
@@ -38,7 +38,7 @@ def test_fsdp_on_two_processes_trains_as_one_process(tmp_path, task, tolerance):
 def test_a_killed_sharded_run_resumes_bit_identical(tmp_path):
     flags = "--task tests.distributed.tasks:slow_sum_task --max-steps 40 --checkpoint-every 4"
     flags = [*flags.split(), "--log-every-n-steps", "1", "--resume", "auto", "--strategy", "fsdp"]
-    leantrain("launch", "--nproc-per-node", "2", *FIT, *flags, "--out", str(tmp_path / "uninterrupted"))
+    launch_here("--nproc-per-node", "2", *FIT, *flags, "--out", str(tmp_path / "uninterrupted"))
     stdout = run_with_one_kill([*FIT, *flags, "--out", str(tmp_path / "restarted")], kill_after="step 10/")
     assert "resumed after step" in stdout
     expected = load_file(tmp_path / "uninterrupted" / "model.safetensors")

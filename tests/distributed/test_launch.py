@@ -8,7 +8,7 @@ import subprocess
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import LEANTRAIN, REPO, fit_here, leantrain, run_with_one_kill, worker_env
+from tests.distributed.conftest import LEANTRAIN, REPO, fit_here, launch_here, run_with_one_kill, worker_env
 
 FIT = "fit --task tests.distributed.tasks:sum_task --global-batch-size 16 --micro-batch-size 4 --max-steps 20"
 FIT = [*FIT.split(), "--progress", "plain", "--tensorboard", "false"]
@@ -68,7 +68,7 @@ def test_two_nodes_on_one_machine_match_one_process(tmp_path):
 def test_a_killed_rank_is_restarted_and_the_run_resumes_exactly(tmp_path):
     flags = "--task tests.distributed.tasks:slow_sum_task --max-steps 40 --checkpoint-every 4"
     flags = [*FIT, *flags.split(), "--log-every-n-steps", "1", "--resume", "auto"]
-    leantrain("launch", "--nproc-per-node", "2", *flags, "--out", str(tmp_path / "uninterrupted"))
+    launch_here("--nproc-per-node", "2", *flags, "--out", str(tmp_path / "uninterrupted"))
     stdout = run_with_one_kill([*flags, "--out", str(tmp_path / "restarted")], kill_after="step 10/")
     assert "resumed after step" in stdout  # the restarted group continued from a checkpoint
     expected = load_file(tmp_path / "uninterrupted" / "model.safetensors")

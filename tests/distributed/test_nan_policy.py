@@ -7,7 +7,7 @@ import subprocess
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import LEANTRAIN, REPO, fit_here, leantrain, worker_env
+from tests.distributed.conftest import LEANTRAIN, REPO, fit_here, launch_here, worker_env
 
 FIT = ["--global-batch-size", "16", "--max-steps", "6"]
 
@@ -34,7 +34,7 @@ def test_a_nan_on_one_rank_stops_every_rank_after_saving_the_last_good_state(tmp
 def test_skip_on_one_rank_is_skip_on_all_and_matches_one_process(tmp_path, quiet_fit_flags):
     two = tmp_path / "two"
     task = "tests.distributed.tasks:nan_on_rank1_at_step3"
-    leantrain("launch", "--nproc-per-node", "2", "fit", "--task", task,
+    launch_here("--nproc-per-node", "2", "fit", "--task", task,
               *FIT, *quiet_fit_flags, "--on-nan", "skip", "--out", str(two))  # fmt: skip
     one = tmp_path / "one"
     task = "tests.distributed.tasks:nan_in_second_half_of_step3"
@@ -50,7 +50,7 @@ def test_true_bf16_and_loss_scaled_fp16_run_under_ddp(tmp_path, quiet_fit_flags)
     """The float64 task's masters are fp32 in bf16-true; 16-mixed keeps the model's float64."""
     for precision, dtype in (("bf16-true", torch.float32), ("16-mixed", torch.float64)):
         out = tmp_path / precision
-        leantrain("launch", "--nproc-per-node", "2", "fit", "--task", "tests.distributed.tasks:mean_task",
+        launch_here("--nproc-per-node", "2", "fit", "--task", "tests.distributed.tasks:mean_task",
                   "--precision", precision, "--max-grad-norm", "1.0", *FIT, *quiet_fit_flags,
                   "--out", str(out))  # fmt: skip
         weights = load_file(out / "model.safetensors")
