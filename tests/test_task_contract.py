@@ -4,6 +4,8 @@ with a note saying where it happened."""
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -104,6 +106,28 @@ class RaggedStream(BrokenItems):
 def test_ragged_stream_items_name_their_positions(fit, workers):
     with pytest.raises(TaskError, match=r"^train_data items 0 and 3 differ at field \[0\]: shape \[4\]"):
         train(fit, RaggedStream("ragged"), num_workers=workers)
+
+
+class BrokenValidation(Linear):
+    """Trains, then fails at validation: both loaders have started their workers."""
+
+    def val_data(self) -> Dataset:
+        return Items("none")
+
+
+@pytest.mark.parametrize("task", [BrokenItems("none"), BrokenValidation()], ids=["train", "validation"])
+def test_the_workers_of_a_failed_fit_stop_when_it_raises(fit, task):
+    """The error's traceback holds the run in a reference cycle. Left to the garbage collector, the
+    workers would live on and each cost a 5 s wait whenever it next ran (in the user's next cell)."""
+    before = set(multiprocessing.active_children())
+    gc.disable()  # the collector must not do the job the run should have done
+    try:
+        with pytest.raises(DataError):
+            train(fit, task, num_workers=2)
+        still_running = set(multiprocessing.active_children()) - before
+    finally:
+        gc.enable()
+    assert not still_running
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,19 @@
 from __future__ import annotations
 
+import multiprocessing
 from collections import namedtuple
 
 import pytest
 import torch
 from torch.utils.data import Dataset
 
-from leantrain.data.loader import build_loader, check_map_style, device_batches, move_to_device
+from leantrain.data.loader import (
+    build_loader,
+    check_map_style,
+    device_batches,
+    move_to_device,
+    stop_workers,
+)
 from leantrain.data.sampler import GlobalBatchSampler
 from leantrain.errors import DataError, TaskError
 from leantrain.step.batching import BatchSplit
@@ -86,6 +93,9 @@ def test_a_failing_item_names_its_index_and_the_original_error(workers):
     assert str(caught.value) == "train_data item 11 failed: ValueError: corrupt record"
     if workers:
         assert "Traceback" in caught.value.details  # the worker's traceback is kept for debugging
+    assert len(multiprocessing.active_children()) == workers
+    stop_workers(loader)  # at once, and not left to the collector (see the function)
+    assert multiprocessing.active_children() == []
 
 
 def test_check_map_style_rejects_what_is_neither_map_style_nor_a_stream():

@@ -210,6 +210,24 @@ def build_loader(
     )
 
 
+def stop_workers(loader: Any) -> None:
+    """Stop the worker processes of ``loader`` (a persistent-worker DataLoader) now, if it has any.
+
+    Workers stop when their iterator is freed. After an error, the iterator sits in a reference
+    cycle (the traceback's frames hold it), and the garbage collector finalises its queues before
+    the iterator itself: the workers never hear the stop, and each is waited for 5 s (torch's
+    MP_STATUS_CHECK_INTERVAL) at whatever later moment the collector runs. Torch has no public
+    close, so this calls the iterator's own shutdown.
+    """
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is None:
+        return
+    loader._iterator = None  # a later iteration starts fresh workers
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # absent for num_workers=0
+    if shutdown is not None:
+        shutdown()
+
+
 def move_to_device(
     batch: Any, device: torch.device, non_blocking: bool = False, dtype: torch.dtype | None = None
 ) -> Any:

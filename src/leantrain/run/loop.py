@@ -21,7 +21,7 @@ from leantrain.checkpoint import CheckpointFolder, export_weights, restore_rng
 from leantrain.cluster import ClusterEnv
 from leantrain.config import TrainConfig
 from leantrain.data.build import build_train_loader, build_val_loader, load_train_data
-from leantrain.data.loader import device_batches
+from leantrain.data.loader import device_batches, stop_workers
 from leantrain.data.workers import cpus_per_process
 from leantrain.errors import NonFiniteLossError, RunInterrupted
 from leantrain.files import atomic_write_json
@@ -168,6 +168,11 @@ class Run(RunState):
     def _device_batches(self) -> Iterator[Any]:
         loader = self.instruments.loader(self.train_loader)
         return self.instruments.batches(device_batches(loader, self.device, self.precision.input_dtype))
+
+    def stop_workers(self) -> None:
+        """Stop the data workers now, not when the collector finds them (see ``stop_workers``)."""
+        stop_workers(self.train_loader)
+        stop_workers(self.val_loader)
 
     def train(self, callbacks: Sequence[Callback], signals: StopSignals) -> None:
         cfg, optimizer = self.cfg, self.optimizer
