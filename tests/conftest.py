@@ -230,6 +230,15 @@ PROCESS_TESTS = ("tests/distributed/", "tests/e2e/", "tests/launch/")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if os.environ.get("MUTANT_UNDER_TEST"):
+        # A `make mutate` run of one mutant, stopped by its first failing test (-x). mutmut's
+        # fork-server runner hands the tests over in no order (its fork runner sorts them), so a
+        # killed mutant could run minutes of fits before the 0.1 s test that kills it: fastest first.
+        from mutmut.state import state
+
+        durations = state().duration_by_test  # as measured in mutmut's first, unmutated run
+        items.sort(key=lambda item: durations.get(item.nodeid, 0.0))
+        return
     items.sort(key=lambda item: not item.nodeid.startswith(PROCESS_TESTS))  # stable: order kept within
 
 
