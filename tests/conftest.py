@@ -230,16 +230,44 @@ PROCESS_TESTS = ("tests/distributed/", "tests/e2e/", "tests/launch/")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    if os.environ.get("MUTANT_UNDER_TEST"):
-        # A `make mutate` run of one mutant, stopped by its first failing test (-x). mutmut's
-        # fork-server runner hands the tests over in no order (its fork runner sorts them), so a
-        # killed mutant could run minutes of fits before the 0.1 s test that kills it: fastest first.
-        from mutmut.state import state
-
-        durations = state().duration_by_test  # as measured in mutmut's first, unmutated run
-        items.sort(key=lambda item: durations.get(item.nodeid, 0.0))
+    mutant = os.environ.get("MUTANT_UNDER_TEST", "")
+    if "__mutmut_" in mutant:
+        items.sort(key=_mutant_test_order(mutant))
         return
     items.sort(key=lambda item: not item.nodeid.startswith(PROCESS_TESTS))  # stable: order kept within
+
+
+# `make mutate` runs a mutant's tests until the first fails (-x). mutmut's fork-server runner hands
+# them over in no order, and most tests that reach a function never exercise most of its lines
+# (every fit calls `resume_from`; few resume). So the tests that killed the function's earlier
+# mutants go first, most kills first, then the rest fastest first: a killed mutant runs one or two
+# tests, not the ~60 that reached its function before the one that kills it.
+KILLERS = Path(__file__).resolve().parent.parent / "mutmut-killers.txt"  # in mutmut's mutants/ copy
+
+
+def _mutated_function(mutant: str) -> str:
+    return mutant.rsplit("__mutmut_", 1)[0]
+
+
+def _mutant_test_order(mutant: str) -> Any:
+    from mutmut.state import state  # pinned to 3.8.x: its measured test durations
+
+    durations = state().duration_by_test
+    function = _mutated_function(mutant)
+    kills: dict[str, int] = {}
+    if KILLERS.is_file():
+        for line in KILLERS.read_text().splitlines():
+            killed_function, _, test = line.partition("\t")
+            if killed_function == function:
+                kills[test] = kills.get(test, 0) + 1
+    return lambda item: (-kills.get(item.nodeid, 0), durations.get(item.nodeid, 0.0))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    mutant = os.environ.get("MUTANT_UNDER_TEST", "")
+    if report.failed and "__mutmut_" in mutant:
+        with KILLERS.open("a") as killers:  # one short line per write: appends do not interleave
+            killers.write(f"{_mutated_function(mutant)}\t{report.nodeid}\n")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
