@@ -34,11 +34,13 @@ def start(out: Path, *extra: str) -> subprocess.Popen:
     )
 
 
-def finish(out: Path, *extra: str) -> None:
+def finish(out: Path, *extra: str) -> str:
+    """Run to the end; its output."""
     done = subprocess.run(
         [LEANTRAIN, *FIT, "--out", str(out), *extra], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def wait_for_step(process: subprocess.Popen, step: int) -> None:
@@ -96,20 +98,27 @@ def test_sigkill_at_random_moments_then_resume_auto_each_time(tmp_path, referenc
 
 
 def test_sigkill_during_a_checkpoint_save(tmp_path, reference):
-    """Kill exactly while a checkpoint's temporary file is being written; resume from the previous one."""
+    """Kill exactly while a checkpoint's temporary file is being written, after several saves: the
+    resume starts after the newest complete one (the half-written file is ignored)."""
     out = tmp_path / "run"
     folder = out / "checkpoints"
     process = start(out, "--checkpoint-every", "1")
+    wait_for_step(process, 6)  # five or more complete saves before the one killed
     caught_in_save = False
     while process.poll() is None and not caught_in_save:
-        if folder.is_dir() and any(".tmp-" in name.name for name in folder.iterdir()):
+        if any(".tmp-" in name.name for name in folder.iterdir()):
             process.send_signal(signal.SIGKILL)
             caught_in_save = True
+        time.sleep(0.001)  # a save takes longer; the run keeps its core
     process.wait()
     if not caught_in_save:
         pytest.skip("every save finished before the poll saw it; nothing was killed")
     assert any(".tmp-" in p.name for p in folder.iterdir()), "the kill landed after the save completed"
-    finish(out, "--checkpoint-every", "1", "--resume", "auto")
+    newest = max(int(p.stem.split("-")[1]) for p in folder.glob("step-*.pt"))
+    assert newest >= 5
+    resumed = finish(out, "--resume", "auto")  # saving every 4 steps again
+    first_step = next(line for line in resumed.splitlines() if line.startswith("step "))
+    assert first_step.split()[1] == f"{newest + 1}/50"
     assert_bit_identical(weights(out), reference)
 
 
