@@ -142,7 +142,11 @@ class MicroBatchSizer:
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
             self.notes.append(f"memory budget {format_bytes(budget)}: the CUDA allocator is capped there")
             return
-        state = measure(self.task, self.cfg, self.checkpointing, [1])[0].memory
+        # The state's bytes do not depend on the micro-batch; one the run trains on is measured
+        # (a BatchNorm model cannot train on a micro-batch of one sample).
+        micro = self.cfg.micro_batch_size
+        first = micro if isinstance(micro, int) else self.cfg.global_batch_size // self.env.world_size
+        state = measure(self.task, self.cfg, self.checkpointing, [first])[0].memory
         static = state.params_bytes + state.grads_bytes + state.optimizer_bytes
         if static >= budget:
             raise LeantrainError(

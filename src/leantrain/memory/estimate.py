@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset
 from leantrain.blocks import BlockPolicy, block_classes, matching_blocks
 from leantrain.config import TrainConfig
 from leantrain.data.loader import collate, move_to_device
-from leantrain.errors import LeantrainError, TaskError
+from leantrain.errors import ConfigError, LeantrainError, TaskError
 from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, breakdown
 from leantrain.memory.recompute import apply_activation_checkpointing
 from leantrain.step.precision import make_precision
@@ -150,14 +150,23 @@ def measure(
     model.train()
     items = first_items(task.train_data(), max(micro_sizes))
     rows = []
+    first_failure: Exception | None = None
     for size in micro_sizes:
         collated = collate(items[:size], range(size), "train_data")
         batch = move_to_device(collated, CPU, dtype=precision.input_dtype)
         fake_batch = tree_map_only(torch.Tensor, mode.from_tensor, batch)
-        with mode, precision.autocast(), SavedActivations(model.parameters()) as saved:
-            task.loss(model, fake_batch)
+        try:
+            with mode, precision.autocast(), SavedActivations(model.parameters()) as saved:
+                task.loss(model, fake_batch)
+        except Exception as error:
+            # Some models cannot train on the smallest micro-batches (BatchNorm needs more than
+            # one value per channel): such a size is left out, as long as another one trains.
+            first_failure = first_failure or error
+            continue
         memory = MemoryBreakdown(state.params_bytes, state.grads_bytes, state.optimizer_bytes, saved.bytes)
         rows.append(EstimateRow(size, checkpointing, memory, None))
+    if not rows and first_failure is not None:
+        raise first_failure
     return rows
 
 
@@ -249,5 +258,10 @@ def estimate_memory(
     ):
         recommended = bigger
     configured = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else per_rank
-    chosen = recommended or next(r for r in rows if r.micro_batch_size == configured)
+    chosen = recommended or next((r for r in rows if r.micro_batch_size == configured), None)
+    if chosen is None:
+        raise ConfigError(
+            "micro_batch_size", configured, "task.loss fails in training on a micro-batch of that size "
+            "(plan, on the meta device: BatchNorm needs more than one value per channel), larger ones train",
+        )  # fmt: skip
     return MemoryEstimate(cfg.precision, rows, budget, margin, chosen, recommended)

@@ -48,6 +48,7 @@ from leantrain.runtime import (
     seed_everything,
 )
 from leantrain.step.accumulator import Accumulator, StepOutcome, StepStatus, TaskLoss
+from leantrain.step.batch_norm import batch_norm_layers, split_statistics_warning
 from leantrain.step.batching import BatchSplit
 from leantrain.step.evaluation import evaluate
 from leantrain.step.losses import LossTracker
@@ -125,6 +126,8 @@ class Run(RunState):
         )
         self._log_setup(parts.notes + optimization.notes + self.sizer.notes + self.data.notes)
         self.health = PrecisionHealth(self.progress, self.logger.warning)
+        self.batch_norms = batch_norm_layers(parts.model)
+        self._warn_about_batch_norm()
 
     def _log_setup(self, notes: list[str]) -> None:
         resumed = f", resumed after step {self.start_step}" if self.start_step else ""
@@ -139,6 +142,12 @@ class Run(RunState):
             self.logger.message(f"activation checkpointing: {len(self.recomputed)} blocks ({shown})")
         for note in notes:
             self.logger.message(note)
+
+    def _warn_about_batch_norm(self) -> None:
+        """Once per split: BatchNorm layers whose statistics follow it (see ``step/batch_norm.py``)."""
+        text = split_statistics_warning(self.batch_norms, self.split)
+        if text is not None:
+            self.logger.warning(text)
 
     def _accumulator(self) -> Accumulator:
         agree_on_oom = self.sizer.agree_on_oom if self.sizer.adaptive else None
@@ -163,6 +172,7 @@ class Run(RunState):
             f"{reason} at step {step + 1}: micro-batch {old} -> {self.split.micro_batch_size} "
             f"(x {self.split.accumulation_steps} accumulation); the global batch and the optimisation stay"
         )
+        self._warn_about_batch_norm()
         return self._device_batches()
 
     def _device_batches(self) -> Iterator[Any]:
