@@ -31,7 +31,7 @@ from leantrain.errors import LeantrainError
 from leantrain.memory.accountant import SavedActivations
 from leantrain.memory.estimate import first_items, measure
 from leantrain.step.accumulator import differentiable_loss
-from leantrain.step.batching import BatchSplit
+from leantrain.step.batching import BatchSplit, configured_micro_batch
 from leantrain.step.precision import Precision
 from leantrain.units import format_bytes, parse_bytes
 
@@ -144,8 +144,7 @@ class MicroBatchSizer:
             return
         # The state's bytes do not depend on the micro-batch; one the run trains on is measured
         # (a BatchNorm model cannot train on a micro-batch of one sample).
-        micro = self.cfg.micro_batch_size
-        first = micro if isinstance(micro, int) else self.cfg.global_batch_size // self.env.world_size
+        first = configured_micro_batch(self.cfg, self.env.world_size)
         state = measure(self.task, self.cfg, self.checkpointing, [first])[0].memory
         static = state.params_bytes + state.grads_bytes + state.optimizer_bytes
         if static >= budget:

@@ -32,6 +32,7 @@ from leantrain.data.loader import collate, move_to_device
 from leantrain.errors import ConfigError, LeantrainError, TaskError
 from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, breakdown
 from leantrain.memory.recompute import apply_activation_checkpointing
+from leantrain.step.batching import configured_micro_batch
 from leantrain.step.precision import make_precision
 
 CPU = torch.device("cpu")
@@ -177,9 +178,7 @@ def fewest_checkpointed_blocks(task: Any, cfg: TrainConfig, budget: int, world_s
     Saved activations fall as blocks are recomputed, so the fewest is found by bisection
     over "the first k blocks", each candidate measured on the meta device.
     """
-    micro = (
-        cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else cfg.global_batch_size // world_size
-    )
+    micro = configured_micro_batch(cfg, world_size)
 
     def fits(policy: str | None) -> bool:
         return measure(task, cfg, policy, [micro])[0].memory.total_bytes <= budget
@@ -257,11 +256,12 @@ def estimate_memory(
         recommended is None or bigger.micro_batch_size >= RECOMPUTE_PAYS * recommended.micro_batch_size
     ):
         recommended = bigger
-    configured = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else per_rank
+    configured = configured_micro_batch(cfg, world_size)
     chosen = recommended or next((r for r in rows if r.micro_batch_size == configured), None)
     if chosen is None:
         raise ConfigError(
             "micro_batch_size", configured, "task.loss fails in training on a micro-batch of that size "
-            "(plan, on the meta device: BatchNorm needs more than one value per channel), larger ones train",
+            "(plan, on the meta device; BatchNorm, for one, needs more than one value per channel), "
+            "others train",
         )  # fmt: skip
     return MemoryEstimate(cfg.precision, rows, budget, margin, chosen, recommended)

@@ -10,6 +10,12 @@ from dataclasses import dataclass
 from leantrain.config import TrainConfig
 
 
+def configured_micro_batch(cfg: TrainConfig, world_size: int = 1) -> int:
+    """The configured micro-batch size; ``auto`` starts from the whole per-process batch."""
+    micro = cfg.micro_batch_size
+    return micro if isinstance(micro, int) else cfg.global_batch_size // world_size
+
+
 @dataclass(frozen=True)
 class BatchSplit:
     """The split of the global batch: ``micro x accumulation x world = global``."""
@@ -27,9 +33,7 @@ class BatchSplit:
     def from_config(cls, cfg: TrainConfig, world_size: int = 1) -> BatchSplit:
         """The configured split; ``micro_batch_size`` auto starts from the whole per-process batch."""
         cfg.validate(world_size)
-        per_rank = cfg.global_batch_size // world_size
-        micro = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else per_rank
-        return cls(cfg.global_batch_size, micro, world_size)
+        return cls(cfg.global_batch_size, configured_micro_batch(cfg, world_size), world_size)
 
     def with_micro_batch(self, micro_batch_size: int) -> BatchSplit:
         return BatchSplit(self.global_batch_size, micro_batch_size, self.world_size)
