@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 import leantrain as lt
@@ -22,10 +22,13 @@ from leantrain.checkpoint import (
     capture_rng,
     check_compatible,
     export_checkpoint,
+    export_weights,
     load_checkpoint,
     load_into,
+    load_weights,
     restore_rng,
     save_checkpoint,
+    tied_aliases,
     unique_tensors,
 )
 from leantrain.strategies.sharded_state import ShardedState
@@ -214,6 +217,52 @@ def test_rng_states_round_trip_through_a_safe_load(tmp_path):
 def test_tied_weights_are_exported_once():
     unique = unique_tensors(TiedEmbedding().state_dict())
     assert list(unique) == ["embed.weight"]
+
+
+class TiedLanguageModel(nn.Module):
+    """Named as transformers' GPT-2: the head that reuses the embedding sorts before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict({"wte": nn.Embedding(5, 3), "ln_f": nn.LayerNorm(3)})
+        self.lm_head = nn.Linear(3, 5, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+
+def test_tied_weights_keep_their_first_registered_name_whether_or_not_they_share_storage():
+    model = TiedLanguageModel()
+    assert tied_aliases(model) == {"lm_head.weight": "transformer.wte.weight"}
+    one_process = unique_tensors(model.state_dict())
+    # FSDP gathers every name into a tensor of its own: only the model's aliases tell the tie.
+    gathered = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    assert len(unique_tensors(gathered)) == 4
+    sharded = unique_tensors(gathered, tied_aliases(model))
+    assert list(one_process) == list(sharded) == ["transformer.wte.weight", "transformer.ln_f.weight",
+                                                  "transformer.ln_f.bias"]  # fmt: skip
+
+
+def test_exported_weights_load_back_strictly_into_a_fresh_model(tmp_path):
+    trained = TiedLanguageModel()
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.add_(1.0)
+    export_weights(trained.state_dict(), tmp_path / "model.safetensors")
+    fresh = load_weights(TiedLanguageModel(), tmp_path / "model.safetensors")
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight  # still tied after the load
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    # A file that kept the head's name of the tie loads as well.
+    renamed = {
+        ("lm_head.weight" if "wte" in k else k): v
+        for k, v in load_file(tmp_path / "model.safetensors").items()
+    }
+    save_file(renamed, str(tmp_path / "head.safetensors"))
+    assert torch.equal(load_weights(TiedLanguageModel(), tmp_path / "head.safetensors").lm_head.weight,
+                       trained.lm_head.weight)  # fmt: skip
+    # A missing weight is an error, not a silent partial load.
+    save_file({k: v for k, v in renamed.items() if "ln_f" not in k}, str(tmp_path / "part.safetensors"))
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*transformer.ln_f.weight"):
+        load_weights(TiedLanguageModel(), tmp_path / "part.safetensors")
 
 
 def test_export_command_matches_the_weights_of_the_checkpoint(tmp_path):

@@ -19,6 +19,7 @@ from leantrain.task import LossSum, Task, load_task
 
 if TYPE_CHECKING:
     from leantrain import diagnose
+    from leantrain.checkpoint import load_weights
     from leantrain.trainer import Callback, FitResult, StepStats, Trainer
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "__version__",
     "diagnose",
     "load_task",
+    "load_weights",
 ]
 
 # The Trainer and the diagnostics (``lt.diagnose.HostSyncs`` and friends) are imported on first
@@ -55,6 +57,10 @@ def __getattr__(name: str) -> Any:
         import leantrain.diagnose as diagnose
 
         return diagnose
+    if name == "load_weights":
+        from leantrain.checkpoint import load_weights
+
+        return load_weights
     if name in _FROM_TRAINER:
         import leantrain.trainer as trainer
 

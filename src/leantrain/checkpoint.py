@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from leantrain.errors import CheckpointError
-from leantrain.files import atomic_write, check_folder
+from leantrain.errors import CheckpointError, TaskError
+from leantrain.files import atomic_write, check_folder, writing
 
 FORMAT = "leantrain-checkpoint"
 FORMAT_VERSION = 1
@@ -225,12 +225,39 @@ class CheckpointFolder:
         return None
 
 
-def unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One entry per tensor: tied weights (one storage, several names) keep their first name."""
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Each further name of a tied parameter or buffer -> its first name.
+
+    "First" is the order of ``state_dict`` (the order modules were registered in): for a
+    transformers language model, the input embedding (``transformer.wte.weight``) rather
+    than the output head that reuses it (``lm_head.weight``), as transformers itself saves it.
+    """
+    first_name: dict[int, str] = {}
+    aliases = {}
+    for name, tensor in (
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ):
+        owner = first_name.setdefault(id(tensor), name)
+        if owner != name:
+            aliases[name] = owner
+    return aliases
+
+
+def unique_tensors(
+    state_dict: dict[str, torch.Tensor], aliases: dict[str, str] | None = None
+) -> dict[str, torch.Tensor]:
+    """One entry per tensor: tied weights keep their first name, so every strategy exports the same names.
+
+    ``aliases`` (from :func:`tied_aliases`) names the ties of a state dict whose tensors no
+    longer share storage (FSDP gathers each name into a tensor of its own); without it, ties
+    are found as several names over one storage (a state dict as the model or a checkpoint
+    file holds it)."""
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     unique = {}
-    for name in sorted(state_dict):
-        tensor = state_dict[name]
+    for name, tensor in state_dict.items():
+        if aliases and name in aliases:
+            continue
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if tensor.numel() == 0 or key not in seen:  # empty tensors share no data: keep them all
             seen.add(key)
@@ -238,9 +265,11 @@ def unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return unique
 
 
-def export_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
-    """Write weights as safetensors, atomically; tied weights are stored once."""
-    tensors = unique_tensors(state_dict)
+def export_weights(
+    state_dict: dict[str, torch.Tensor], path: Path, aliases: dict[str, str] | None = None
+) -> None:
+    """Write weights as safetensors, atomically; tied weights are stored once, under their first name."""
+    tensors = unique_tensors(state_dict, aliases)
     atomic_write(
         Path(path),
         lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}),
@@ -249,17 +278,71 @@ def export_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
     )
 
 
+def load_weights(model: nn.Module, path: Path | str) -> nn.Module:
+    """Load a ``model.safetensors`` that leantrain wrote into ``model`` (of the same architecture).
+
+    The file holds tied weights once; their other names are filled from it, so the load is
+    strict: a name missing from the file or the model is an error, not a silent partial load.
+    """
+    from safetensors.torch import load_file
+
+    return _load_tied(model, load_file(str(path)))
+
+
+def _load_tied(model: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:
+    """``model.load_state_dict(weights)``, strict, with every name of a tied weight filled from
+    the one that ``weights`` holds."""
+    aliases = tied_aliases(model)
+    for alias, owner in aliases.items():  # a file that kept another name of the tie
+        if owner not in weights and alias in weights:
+            weights[owner] = weights[alias]
+    for alias, owner in aliases.items():
+        if owner in weights:
+            weights.setdefault(alias, weights[owner])
+    model.load_state_dict(weights)
+    return model
+
+
+def _checkpoint_weights(checkpoint: Path | str) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """The model weights of a checkpoint (a sharded one's gathered here) and its tied aliases."""
+    state = load_checkpoint(checkpoint)
+    if state.get("sharded"):
+        return _gathered_model(Path(checkpoint), state["sharded"]), state.get("tied")
+    return state["model"], state.get("tied")
+
+
 def export_checkpoint(checkpoint: Path | str, out: Path | str) -> Path:
     """``leantrain export``: the model weights of a checkpoint as a safetensors file."""
-    state = load_checkpoint(checkpoint)
     out = Path(out)
     if out.is_dir():
         out = out / "model.safetensors"
     check_folder(out.parent, "out")
-    model = (
-        state["model"] if not state.get("sharded") else _gathered_model(Path(checkpoint), state["sharded"])
-    )
-    export_weights(model, out)
+    weights, aliases = _checkpoint_weights(checkpoint)
+    export_weights(weights, out, aliases)
+    return out
+
+
+def export_pretrained(model: nn.Module, checkpoint: Path | str, out: Path | str) -> Path:
+    """``leantrain export --format transformers``: the checkpoint's weights loaded into ``model``
+    (the task's, freshly made) and written by its own ``save_pretrained`` into the folder ``out``."""
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise TaskError(
+            f"--format transformers needs a transformers model (one with save_pretrained); "
+            f"task.model() returned a {type(model).__name__}: use the default safetensors format"
+        )
+    weights, _ = _checkpoint_weights(checkpoint)
+    try:
+        _load_tied(model, weights)
+    except RuntimeError as error:  # load_state_dict's list of missing, unexpected and mis-sized names
+        problems = " ".join(str(error).split("\n", 1)[-1].split())
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: its weights do not fit task.model() ({type(model).__name__}): "
+            f"{problems[:300]}"
+        ) from None
+    out = Path(out)
+    check_folder(out, "out")
+    with writing("transformers folder", out):
+        model.save_pretrained(str(out))
     return out
 
 

@@ -24,7 +24,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from rich.console import Console
 from rich.table import Table
 
-from leantrain.checkpoint import export_checkpoint
+from leantrain.checkpoint import export_checkpoint, export_pretrained
 from leantrain.cluster import detect
 from leantrain.config import GROUPS, TrainConfig, coerce, metavar
 from leantrain.data.cache import prepare_cache, task_source
@@ -38,7 +38,7 @@ from leantrain.launch.slurm import SlurmOptions, sbatch_script, submit
 from leantrain.memory.estimate import DEFAULT_MARGIN, RECOMPUTE_PAYS, MemoryEstimate, estimate_memory
 from leantrain.run.preflight import check_machine
 from leantrain.strategies.registry import check_config, names, strategies
-from leantrain.task import load_task
+from leantrain.task import call_task, load_task
 from leantrain.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
@@ -138,12 +138,7 @@ def build_parser() -> ArgumentParser:
     )
     commands.add_subcommand("launch", _launch_parser(), help="run fit as several processes (torchrun)")
     commands.add_subcommand("slurm", _slurm_parser(), help="submit fit as a SLURM job (sbatch)")
-    export = ArgumentParser(
-        description="Write a checkpoint's model weights as safetensors.", exit_on_error=False
-    )
-    export.add_argument("checkpoint", help="a checkpoint file (run folder/checkpoints/step-*.pt)")
-    export.add_argument("out", help="the .safetensors file to write (or a folder: OUT/model.safetensors)")
-    commands.add_subcommand("export", export, help="turn a checkpoint into safetensors weights")
+    commands.add_subcommand("export", _export_parser(), help="turn a checkpoint into safetensors weights")
     commands.add_subcommand(
         "plan", _plan_parser(), help="memory of a run per micro-batch size, without a GPU"
     )
@@ -258,6 +253,40 @@ def _plan_table(plan: MemoryEstimate) -> Table:
     elif plan.budget is not None:
         table.caption = "nothing fits: use 16-bit precision, or shard the model"
     return table
+
+
+def _export_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        description="Write a checkpoint's model weights as safetensors (tied weights once, under their first "
+        "name), or as a transformers save_pretrained folder.",
+        exit_on_error=False,
+    )
+    parser.add_argument("checkpoint", help="a checkpoint file (run folder/checkpoints/step-*.pt)")
+    parser.add_argument(
+        "out", help="the .safetensors file (or a folder: OUT/model.safetensors); transformers: a folder"
+    )
+    parser.add_argument(
+        "--format",
+        choices=["safetensors", "transformers"],
+        default="safetensors",
+        help="transformers: load the weights into the task's model and call its save_pretrained(OUT), "
+        "so that from_pretrained(OUT) reads them back (needs --task or --example)",
+    )
+    parser.add_argument("--task", default=None, help="the task whose model to fill, as 'pkg.module:Name'")
+    parser.add_argument("--example", default=None, help=f"a built-in task: {', '.join(EXAMPLES)}")
+    return parser
+
+
+def run_export(values: dict[str, Any], console: Console) -> None:
+    if values["format"] == "safetensors":
+        written = export_checkpoint(values["checkpoint"], values["out"])
+    else:
+        if not (values["task"] or values["example"]):
+            raise TaskError("export --format transformers needs --task or --example: the model to fill")
+        task, _ = resolve_task(values["task"], values["example"])
+        model = call_task("task.model()", task.model)
+        written = export_pretrained(model, values["checkpoint"], values["out"])
+    console.print(f"wrote {written}")
 
 
 def _cache_parser() -> ArgumentParser:
@@ -458,8 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif namespace.command == "doctor":
             run_doctor_command(namespace.doctor.as_dict(), console)
         elif namespace.command == "export":
-            written = export_checkpoint(namespace.export.checkpoint, namespace.export.out)
-            console.print(f"wrote {written}")
+            run_export(namespace.export.as_dict(), console)
         else:
             values = namespace.fit.as_dict()
             run_fit(values, console)

@@ -138,3 +138,10 @@ class ReduceDtypeProbe(RegressionTask):
 
         optimizer.register_step_pre_hook(record)
         return optimizer
+
+
+def tiny_gpt2():
+    """transformers' GPT2LMHeadModel (tied embedding and head) on a datasets.Dataset (examples/hf_lm.py)."""
+    from leantrain.examples.hf_lm import HFCausalLMTask
+
+    return HFCausalLMTask("gpt2", block=16, layers=2, heads=2, width=32, max_chars=4000)

@@ -35,6 +35,21 @@ def test_fsdp_on_two_processes_trains_as_one_process(tmp_path, task, tolerance):
         assert sharded[kind] * 2 == single[kind], kind
 
 
+def test_a_transformers_gpt2_trains_under_fsdp_as_one_process_with_the_same_weight_names(tmp_path):
+    """Its tied embedding and head: one name in every export, the embedding's (FSDP gathers each name
+    into a tensor of its own, so the names are all that tell the tie)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("datasets")
+    flags = ["--max-steps", "4", "--checkpoint-every", "4"]
+    one = train(tmp_path / "one", "tiny_gpt2", "--micro-batch-size", "16", *flags)
+    two = train(tmp_path / "two", "tiny_gpt2", "--strategy", "fsdp", *flags, processes=2)
+    assert sorted(two) == sorted(one) and "lm_head.weight" not in one
+    for name, tensor in one.items():
+        assert float((two[name] - tensor).abs().max()) <= 1e-4, name
+    exported = load_file(export_checkpoint(tmp_path / "two" / "checkpoints" / "step-00000004.pt", tmp_path))
+    assert sorted(exported) == sorted(one)
+
+
 def test_a_killed_sharded_run_resumes_bit_identical(tmp_path):
     flags = "--task tests.distributed.tasks:slow_sum_task --max-steps 40 --checkpoint-every 4"
     flags = [*flags.split(), "--log-every-n-steps", "1", "--resume", "auto", "--strategy", "fsdp"]

@@ -21,6 +21,11 @@ EXAMPLES: dict[str, tuple[str, str]] = {
         "leantrain.examples.slowdata:SlowDataTask",
         "tiny model fed by CPU-heavy per-item augmentation: data loading is the bottleneck",
     ),
+    "hf-gpt2": (
+        "leantrain.examples.hf_lm:HFCausalLMTask",
+        "a transformers GPT2LMHeadModel (Block x 4, from a config) on a datasets.Dataset of the pydoc "
+        "text's bytes; needs leantrain[hf]",
+    ),
 }
 
 DEFAULT_EXAMPLE = "digits"

@@ -12,16 +12,23 @@ micro-batch fit the memory budget, see ``estimate.fewest_checkpointed_blocks``).
 Recomputation uses ``torch.utils.checkpoint`` in its non-reentrant form, which supports
 keyword arguments, composes with autocast and DDP, and restores the RNG state before
 recomputing, so dropout masks are the same in both passes.
+
+A block that appends to a key/value cache (transformers' decoder layers, whose models fill
+one in training too while ``use_cache`` is on) would append again when it is recomputed: the
+cache is not passed to a recomputed block while it trains (what transformers' own switch
+does), unless its class declares that it only reads the cache.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from leantrain.blocks import BlockPolicy, matching_blocks
+from leantrain.errors import ConfigError
 
 
 class _Recomputed:
@@ -34,14 +41,50 @@ class _Recomputed:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.module.training:  # evaluation keeps no activations: nothing to save
             return self.forward(*args, **kwargs)
+        cache = _cache_class()
+        if cache is not None and not getattr(self.module, "_can_checkpoint_with_cache", False):
+            args = tuple(None if isinstance(a, cache) else a for a in args)
+            kwargs = {k: None if isinstance(v, cache) else v for k, v in kwargs.items()}
         return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def _checkpoints_itself(model: nn.Module) -> bool:
+    """Whether transformers' own switch (``gradient_checkpointing_enable``) is on in this model."""
+    # transformers 5 renamed the property (the old name warns); asking the class does not call it.
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def _cache_class() -> type | None:
+    """transformers' key/value cache base class, if transformers is in use (never imported here)."""
+    return getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: BlockPolicy) -> list[str]:
     """Checkpoint the blocks the policy names (before any wrapper); returns their names."""
     if policy.auto:
         raise ValueError("resolve an auto policy first (estimate.fewest_checkpointed_blocks)")
+    if _checkpoints_itself(model):
+        raise ConfigError(
+            policy.field,
+            ",".join(policy.classes) or f"every:{policy.every}",
+            "the model checkpoints its own layers already (gradient_checkpointing_enable() in "
+            "task.model()): recomputing them twice costs a second forward; use one of the two",
+        )
     blocks = matching_blocks(model, policy)
     for _, module in blocks:
         module.forward = _Recomputed(module)  # type: ignore[method-assign]
     return [name for name, _ in blocks]
+
+
+def cache_note(model: nn.Module) -> str | None:
+    """The run log's line when the model would fill a key/value cache in training (transformers'
+    ``config.use_cache``, on by default) that its recomputed blocks leave empty."""
+    if not getattr(getattr(model, "config", None), "use_cache", False):
+        return None
+    return (
+        f"activation checkpointing: {type(model).__name__}'s key/value cache (config.use_cache) is not "
+        "filled by recomputed blocks in training: recomputing them would fill it twice"
+    )

@@ -28,7 +28,7 @@ from leantrain.data.sampler import steps_per_epoch
 from leantrain.errors import LeantrainWarning, TaskError
 from leantrain.memory.adaptive import scale_learning_rates
 from leantrain.memory.estimate import fewest_checkpointed_blocks, first_items
-from leantrain.memory.recompute import apply_activation_checkpointing
+from leantrain.memory.recompute import apply_activation_checkpointing, cache_note
 from leantrain.run.hooks import Instruments
 from leantrain.step.batching import BatchSplit
 from leantrain.step.precision import Precision, make_precision
@@ -66,6 +66,8 @@ def build_model(
         policy = fewest_checkpointed_blocks(task, cfg, budget, world_size)
         notes.append(f"activation checkpointing auto: {policy or 'none needed'}")
     recomputed = [] if policy is None else apply_activation_checkpointing(model, BlockPolicy.parse(policy))
+    if recomputed and (note := cache_note(model)):
+        notes.append(note)
     return ModelParts(model, precision, prepared, policy, recomputed, notes)
 
 

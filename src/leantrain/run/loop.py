@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from leantrain.checkpoint import CheckpointFolder, export_weights, restore_rng
+from leantrain.checkpoint import CheckpointFolder, export_weights, restore_rng, tied_aliases
 from leantrain.cluster import ClusterEnv
 from leantrain.config import TrainConfig
 from leantrain.data.build import build_train_loader, build_val_loader, load_train_data
@@ -336,7 +336,7 @@ class Run(RunState):
         """Write the weights and summary.json (rank 0); return the result."""
         weights = self.strategy.trained_weights(self.precision)  # sharded: gathered, a collective
         if self.env.is_main:
-            export_weights(weights, self.run_dir / "model.safetensors")
+            export_weights(weights, self.run_dir / "model.safetensors", tied_aliases(self.model))
         samples = self.total_steps * self.split.global_batch_size
         result = FitResult(
             steps=self.total_steps,

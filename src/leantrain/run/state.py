@@ -21,6 +21,7 @@ from leantrain.checkpoint import (
     checkpoint_name,
     load_checkpoint,
     load_into,
+    tied_aliases,
 )
 from leantrain.cluster import ClusterEnv
 from leantrain.config import TrainConfig
@@ -71,6 +72,7 @@ class RunState:
             "model": None if shards else self.model.state_dict(),
             "optimizer": None if shards else self.optimizer.state_dict(),
             "sharded": None if shards is None else shards.name,
+            "tied": tied_aliases(self.model),  # `leantrain export` of shards: each gathered apart
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "precision": self.precision.state_dict(),
             "rng": rng,

@@ -105,8 +105,9 @@ class Pipeline(ShardedState, Collectives):
     def trained_weights(self, precision: Precision) -> dict[str, torch.Tensor]:
         """The whole model's weights on rank 0: every stage's part, merged (a collective)."""
         mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        for names, _ in self.tied:  # one name per tied tensor, as a single process exports it
-            for name in sorted(names)[1:]:
+        # One name per tied tensor, its first (registration order), as a single process exports it.
+        for names, _ in self.tied:
+            for name in names[1:]:
                 mine.pop(name, None)
         merged: dict[str, torch.Tensor] = {}
         for part in self.gather(mine if self.dims.pipeline(dist.get_rank()) == 0 else {}):
