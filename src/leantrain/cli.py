@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from leantrain.checkpoint import export_checkpoint, export_pretrained
@@ -448,7 +449,7 @@ def list_examples(console: Console) -> None:
     table.add_column("task")
     table.add_column("what it is")
     for name, (spec, description) in EXAMPLES.items():
-        table.add_row(name + (" (default)" if name == DEFAULT_EXAMPLE else ""), spec, description)
+        table.add_row(name + (" (default)" if name == DEFAULT_EXAMPLE else ""), spec, escape(description))
     console.print(table)
 
 

@@ -109,8 +109,9 @@ def test_a_failing_dataset_item_is_named(tmp_path):
 def test_examples_lists_the_builtin_tasks(tmp_path):
     done = run("examples", cwd=tmp_path)
     assert done.returncode == 0
-    for name in ("digits", "charlm", "slowdata"):
+    for name in ("digits", "charlm", "slowdata", "hf-gpt2"):
         assert name in done.stdout
+    assert "leantrain[hf]" in done.stdout  # printed as text, not taken for rich markup
 
 
 def test_help_is_grouped_by_concern(tmp_path):

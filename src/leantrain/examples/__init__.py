@@ -23,7 +23,7 @@ EXAMPLES: dict[str, tuple[str, str]] = {
     ),
     "hf-gpt2": (
         "leantrain.examples.hf_lm:HFCausalLMTask",
-        "a transformers GPT2LMHeadModel (Block x 4, from a config) on a datasets.Dataset of the pydoc "
+        "a transformers GPT2LMHeadModel (GPT2Block x 4, from a config) on a datasets.Dataset of the pydoc "
         "text's bytes; needs leantrain[hf]",
     ),
 }
