@@ -25,6 +25,7 @@ BAD_VALUES = [
     ("device", "tpu", "allowed: auto, cpu, cuda, cuda:N, mps"),
     ("seed", -1, "between 0 and 2**63 - 1"),
     ("deterministic", 1, "true or false"),
+    ("sync_batchnorm", "yes", "true or false"),
     ("log_every_n_steps", 0, "positive integer"),
     ("val_every_n_steps", 0, "positive integer"),
     ("progress", "fancy", "one of auto, rich, plain, none"),

@@ -160,6 +160,12 @@ class TrainConfig:
         "with fsdp, the module class names sharded as units (each gathered only while it runs); null: "
         "the model's repeated blocks",
     )
+    sync_batchnorm: bool = _field(
+        False,
+        "parallel",
+        "with ddp or fsdp on CUDA: convert the model's BatchNorm layers to SyncBatchNorm, which normalise "
+        "over every process's micro-batch together (accumulation still splits them); not on CPU",
+    )
     # reproducibility
     seed: int = _field(0, "reproducibility", "seeds Python, NumPy, torch and the sample order")
     deterministic: bool = _field(False, "reproducibility", "use only deterministic kernels (slower)")

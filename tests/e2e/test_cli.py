@@ -157,6 +157,7 @@ FROZEN_FIT_FLAGS = {
     "--device",
     "--strategy",
     "--shard-blocks",
+    "--sync-batchnorm",
     "--device-map",
     "--pipeline-stages",
     "--pipeline-schedule",

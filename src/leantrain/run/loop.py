@@ -124,7 +124,9 @@ class Run(RunState):
         self.logger = RunLogger(
             run_dir, self.total_steps, cfg.progress, cfg.tensorboard, self.start_step, enabled=env.is_main
         )
-        self._log_setup(parts.notes + optimization.notes + self.sizer.notes + self.data.notes)
+        self._log_setup(
+            parts.notes + self.strategy.notes + optimization.notes + self.sizer.notes + self.data.notes
+        )
         self.health = PrecisionHealth(self.progress, self.logger.warning)
         self.batch_norms = batch_norm_layers(parts.model)
         self._warn_about_batch_norm()
@@ -145,7 +147,8 @@ class Run(RunState):
 
     def _warn_about_batch_norm(self) -> None:
         """Once per split: BatchNorm layers whose statistics follow it (see ``step/batch_norm.py``)."""
-        text = split_statistics_warning(self.batch_norms, self.split)
+        can_sync = self.strategy.can_sync_batch_norm(self.device)
+        text = split_statistics_warning(self.batch_norms, self.split, can_sync)
         if text is not None:
             self.logger.warning(text)
 

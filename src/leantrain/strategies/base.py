@@ -88,12 +88,18 @@ class Strategy:
     def check_task(cls, task: Any) -> None:
         """A TaskError when the task uses something this strategy cannot run."""
 
+    @classmethod
+    def can_sync_batch_norm(cls, device: torch.device) -> bool:
+        """Whether ``--sync-batchnorm`` would apply on ``device`` (see ``sync_batch_norm.py``)."""
+        return False
+
     # -- in each process, once the process group is up ------------------------------------
 
     def __init__(self, cfg: TrainConfig, device: torch.device, dims: ParallelDims) -> None:
         self.cfg, self.device, self.dims = cfg, device, dims
         self.model: nn.Module = nn.Module()  # the unwrapped model (or stage): state dicts, weights
         self.module: nn.Module = self.model  # what forward and backward run on
+        self.notes: list[str] = []  # what ``wrap`` decided, for the run log
 
     def wrap(self, model: nn.Module, example: Example | None) -> None:
         """Place or wrap the model (``example``: for strategies that trace it)."""

@@ -13,14 +13,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from leantrain.strategies.base import Example
 from leantrain.strategies.process_group import Collectives
+from leantrain.strategies.sync_batch_norm import SyncsBatchNorm
 
 
-class Distributed(Collectives):
+class Distributed(SyncsBatchNorm, Collectives):
     name = "ddp"
     summary = "DistributedDataParallel: one process per device, a full replica in each"
 
     def wrap(self, model: nn.Module, example: Example | None) -> None:
-        self.model = model
+        self.model = self.with_synced_batch_norm(model)
         self._hook: Callable[..., Any] | None = None
         self.module = self._wrapped()
 

@@ -37,6 +37,7 @@ from leantrain.step.precision import Precision
 from leantrain.strategies.base import Example
 from leantrain.strategies.process_group import Collectives
 from leantrain.strategies.sharded_state import ShardedState
+from leantrain.strategies.sync_batch_norm import SyncsBatchNorm
 
 
 def shard_units(model: nn.Module, shard_blocks: str | None) -> list[tuple[str, nn.Module]]:
@@ -50,7 +51,7 @@ def shard_units(model: nn.Module, shard_blocks: str | None) -> list[tuple[str, n
     return matching_blocks(model, policy)
 
 
-class FullyShard(ShardedState, Collectives):
+class FullyShard(ShardedState, SyncsBatchNorm, Collectives):
     name = "fsdp"
     summary = "FSDP2: parameters, gradients and optimizer state sharded over the processes"
     uses = ("shard_blocks",)
@@ -70,6 +71,7 @@ class FullyShard(ShardedState, Collectives):
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             policy = MixedPrecisionPolicy()
+        model = self.with_synced_batch_norm(model)
         units = shard_units(model, self.cfg.shard_blocks)
         self.units = [name for name, _ in units]
         for _, block in units:

@@ -15,6 +15,7 @@ from functools import cache
 from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError
 from leantrain.strategies.base import Strategy
+from leantrain.strategies.sync_batch_norm import check_sync_batch_norm
 
 AUTO = "auto"  # ddp when launched as several processes, else single
 
@@ -60,9 +61,11 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> type[Strate
     """
     if cfg.strategy == AUTO and world_size is None:
         _check_fields(cfg, None)
+        check_sync_batch_norm(cfg, None)
         return strategy_class(AUTO, 1)
     cls = strategy_class(cfg.strategy, world_size)
     _check_fields(cfg, cls)
+    check_sync_batch_norm(cfg, cls)
     if cls.precisions is not None and cfg.precision not in cls.precisions:
         *others, last = cls.precisions
         allowed = f"{', '.join(others)} or {last}" if others else last
