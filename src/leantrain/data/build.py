@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 from leantrain.cluster import ClusterEnv
 from leantrain.config import TrainConfig
 from leantrain.data.cache import CacheError, prepare_cache, task_source
+from leantrain.data.hf import torch_rows
 from leantrain.data.limits import check_prefetch, item_bytes
 from leantrain.data.loader import build_loader, check_map_style
 from leantrain.data.sampler import GlobalBatchSampler
@@ -73,7 +74,7 @@ def _cached(
 
 def load_train_data(task: Any, cfg: TrainConfig, env: ClusterEnv) -> TrainData:
     notes: list[str] = []
-    dataset = call_task("task.train_data()", task.train_data)
+    dataset = torch_rows(call_task("task.train_data()", task.train_data), "train_data")
     if cfg.cache is not None:
         dataset = _cached(dataset, task, "train", cfg, env, notes)
     if isinstance(dataset, IterableDataset):
@@ -196,6 +197,7 @@ def build_val_loader(
     val_data = call_task("task.val_data()", val_fn) if callable(val_fn) else None
     if val_data is None:
         return None
+    val_data = torch_rows(val_data, "val_data")
     if cfg.cache is not None:
         val_data = _cached(val_data, task, "val", cfg, env, notes)
     options = dict(num_workers=workers, pin_memory=pin, prefetch_factor=prefetch, seed=cfg.seed)

@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from leantrain.checkpoint import capture_rng, restore_rng
+from leantrain.data.hf import torch_rows
 from leantrain.data.loader import NamedItemErrors
 from leantrain.errors import DataError, LeantrainError
 from leantrain.files import atomic_write_json, check_room, writing
@@ -73,7 +74,10 @@ def _flatten(value: Any, where: str = "item") -> tuple[Any, list[tuple[Leaf, np.
             kind = "list" if isinstance(node, list) else "tuple"
             return {kind: [walk(value, f"{path}[{i}]") for i, value in enumerate(node)]}
         else:
-            raise DataError(f"{path} is a {type(node).__name__}: a cache stores tensors, arrays and numbers")
+            raise DataError(
+                f"{path} is a {type(node).__name__}: a cache stores tensors, arrays and numbers; "
+                "leave that field out of the data (a datasets table: remove_columns)"
+            )
         return len(leaves) - 1
 
     return walk(value, where), leaves
@@ -94,11 +98,11 @@ def task_source(task: Any, split: str) -> str:
     return f"{kind.__module__}.{kind.__qualname__}:{split}"
 
 
-def fingerprint(dataset: Dataset, source: str) -> dict[str, Any]:
+def fingerprint(dataset: Dataset, source: str, name: str = "dataset") -> dict[str, Any]:
     """What identifies the data: its source, type, length and a hash of three items.
 
     The items are loaded under a fixed seed (the caller's random state is restored after),
-    so items drawn with randomness hash the same every time.
+    so items drawn with randomness hash the same every time. ``name`` names the data in errors.
     """
     size = len(dataset)  # type: ignore[arg-type]
     if size == 0:
@@ -108,7 +112,7 @@ def fingerprint(dataset: Dataset, source: str) -> dict[str, Any]:
     try:
         for index in sorted({0, size // 2, size - 1}):
             seed_everything(0)
-            _, leaves = _flatten(dataset[index])
+            _, leaves = _flatten(dataset[index], f"{name} item {index}")
             for _, array in leaves:
                 digest.update(np.ascontiguousarray(array).tobytes())
     finally:
@@ -217,7 +221,10 @@ def prepare_cache(
     Returns the cache and, when it was built now, its manifest. With ``build=False`` a
     missing cache is an error (the processes that wait for rank 0 to build it).
     """
-    expected = fingerprint(dataset, source)
+    if isinstance(dataset, IterableDataset):  # `leantrain cache` on a task whose data is a stream
+        raise CacheError(f"cache {folder}: {name} is an IterableDataset; a cache needs a map-style dataset")
+    dataset = torch_rows(dataset, name)  # a datasets table: the rows that fit will collate
+    expected = fingerprint(dataset, source, name)
     cached = open_cache(folder, expected)
     if cached is not None:
         return cached, None

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from leantrain.data.hf import is_hf_stream, stream_rows
 from leantrain.data.loader import collate
 from leantrain.errors import DataError, TaskError
 from leantrain.step.batching import BatchSplit
@@ -42,18 +43,27 @@ def _worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-def _items(dataset: IterableDataset, name: str, epoch: int) -> Iterator[tuple[int, Any]]:
-    """(position in the epoch, item); a failing iterator names the position and the epoch."""
+def _epoch_items(dataset: IterableDataset, name: str, epoch: int) -> Iterator[Any]:
+    """The items of one epoch, the whole stream in every process (a ``datasets`` stream: ``hf.py``)."""
+    if is_hf_stream(dataset):
+        return stream_rows(dataset, name, epoch)
     set_epoch = getattr(dataset, "set_epoch", None)
     if callable(set_epoch):
         set_epoch(epoch)
-    iterator = iter(dataset)
+    return iter(dataset)
+
+
+def _items(dataset: IterableDataset, name: str, epoch: int) -> Iterator[tuple[int, Any]]:
+    """(position in the epoch, item); a failing iterator names the position and the epoch."""
+    iterator = _epoch_items(dataset, name, epoch)
     position = 0
     while True:
         try:
             item = next(iterator)
         except StopIteration:
             return
+        except DataError:  # already names the items (a datasets stream reads blocks of rows)
+            raise
         except Exception as error:
             raise DataError(
                 f"{name} item {position} of epoch {epoch} failed: {type(error).__name__}: {error}"

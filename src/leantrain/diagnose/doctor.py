@@ -22,6 +22,7 @@ from torch.utils.data import IterableDataset
 from leantrain.cluster import detect
 from leantrain.config import TrainConfig
 from leantrain.data.cache import items_repeat
+from leantrain.data.hf import torch_rows
 from leantrain.data.workers import auto_workers, available_cpus
 from leantrain.diagnose.advice import Advice, Measurements, RunFacts, advise, verdict
 from leantrain.diagnose.flops import PeakFlops, at_least, compute_dtype, mfu, peak_flops
@@ -210,7 +211,7 @@ def _facts(task: Any, cfg: TrainConfig, result: FitResult, device: torch.device,
 
 def _data_facts(task: Any) -> tuple[bool, bool | None]:
     """Whether the training data is map-style, and whether its items load the same twice."""
-    dataset = task.train_data()
+    dataset = torch_rows(task.train_data(), "train_data")  # as fit reads it
     if isinstance(dataset, IterableDataset):
         return False, None
     try:

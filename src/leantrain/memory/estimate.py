@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset
 
 from leantrain.blocks import BlockPolicy, block_classes, matching_blocks
 from leantrain.config import TrainConfig
+from leantrain.data.hf import torch_rows
 from leantrain.data.loader import collate, move_to_device
 from leantrain.errors import ConfigError, LeantrainError, TaskError
 from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, breakdown
@@ -149,7 +150,7 @@ def measure(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fake_copy_of_parameters(model, mode)
     model.train()
-    items = first_items(task.train_data(), max(micro_sizes))
+    items = first_items(torch_rows(task.train_data(), "train_data"), max(micro_sizes))  # as fit reads them
     rows = []
     first_failure: Exception | None = None
     for size in micro_sizes:

@@ -1,0 +1,110 @@
+"""Hugging Face ``datasets`` as ``train_data``/``val_data``: rows in torch format, streams read whole.
+
+A ``datasets.Dataset`` (map-style) and a ``datasets.IterableDataset`` (a stream) are used as they
+are, with two adjustments that the rest of the data code relies on:
+
+- **Rows in torch format.** Rows in datasets' default (Python) format hold lists and Python
+  numbers: ``default_collate`` would transpose a ``[6 ints]`` field into 6 tensors of the batch
+  size, and a ``float32`` column would arrive as float64. leantrain reads such data in torch
+  format (``with_format("torch")``, the same columns): each column is a tensor of its feature's
+  type. Formats that collate as they are (``torch``, ``numpy``, and ``custom`` transforms set
+  by ``with_transform``) are kept.
+- **Streams read whole, in order, in every process.** leantrain gives each DataLoader worker its
+  own micro-batches of one stream order (see ``stream.py``), so every worker must read every row.
+  A ``datasets.IterableDataset`` iterated inside a worker gives it only some of its shards (and
+  nothing when it has fewer shards than workers); its batched reader ``iter(batch_size)`` does
+  not, and formats a block of rows at once (20x faster than row by row, in torch format). Each
+  epoch is read from a fresh view with its own epoch number: ``set_epoch`` writes to memory that
+  the dataset shares with every worker, and workers may be in different epochs.
+
+Nothing here imports ``datasets``: a dataset is recognised through ``sys.modules``, so leantrain
+works without it installed.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from leantrain.errors import DataError, TaskError
+
+# Rows a stream's reader formats at a time. A failing read names this block of rows.
+ROWS_PER_READ = 64
+# Map-style formats whose rows ``default_collate`` batches as they are (``custom``: with_transform).
+KEPT_FORMATS = ("torch", "numpy", "custom")
+
+
+def _datasets_class(name: str) -> type | None:
+    """``datasets.<name>`` when datasets has been imported (a dataset of it cannot exist otherwise)."""
+    module = sys.modules.get("datasets")
+    found = getattr(module, name, None)
+    return found if isinstance(found, type) else None
+
+
+def _is_instance(value: Any, name: str) -> bool:
+    kind = _datasets_class(name)
+    return kind is not None and isinstance(value, kind)
+
+
+def is_hf_stream(dataset: Any) -> bool:
+    """Whether ``dataset`` is a ``datasets.IterableDataset``."""
+    return _is_instance(dataset, "IterableDataset")
+
+
+def torch_rows(dataset: Any, name: str) -> Any:
+    """``dataset`` as leantrain reads it: a ``datasets`` table or stream in torch format (see above);
+    anything else unchanged. TaskError for a dict of splits, or a stream already split by process."""
+    for kind in ("DatasetDict", "IterableDatasetDict"):
+        if _is_instance(dataset, kind):
+            raise TaskError(
+                f"{name} is a datasets.{kind} (splits: {', '.join(map(str, dataset))}): return one "
+                "split, e.g. load_dataset(..., split='train') or dataset['train']"
+            )
+    if is_hf_stream(dataset):
+        # Private, read only to refuse: a stream that datasets.distributed.split_dataset_by_node
+        # cut would lose the other processes' rows, since leantrain splits the stream itself.
+        split = getattr(dataset, "_distributed", None)
+        if split is not None and getattr(split, "world_size", 1) > 1:
+            raise TaskError(
+                f"{name} is a datasets.IterableDataset split by split_dataset_by_node (rank {split.rank} "
+                f"of {split.world_size}): return the whole stream; leantrain gives each process its share"
+            )
+        return dataset.with_format("torch")
+    if _is_instance(dataset, "Dataset"):
+        layout = dataset.format
+        if layout["type"] in KEPT_FORMATS:
+            return dataset
+        return dataset.with_format(
+            "torch", columns=layout["columns"], output_all_columns=layout["output_all_columns"]
+        )
+    return dataset
+
+
+def stream_rows(dataset: Any, name: str, epoch: int) -> Iterator[Any]:
+    """Every row of epoch ``epoch`` of a ``datasets.IterableDataset``, in order, in torch format,
+    whichever process reads it (a DataLoader worker included)."""
+    view = dataset.with_format("torch")  # a new dataset: its epoch is this process's alone
+    view.set_epoch(epoch)
+    blocks = view.iter(batch_size=ROWS_PER_READ)
+    first = 0
+    while True:
+        try:
+            with warnings.catch_warnings():
+                # Rows made by a Python .map() are tensorized twice by this reader: harmless, but
+                # torch warns about it (a datasets quirk, not the user's code).
+                warnings.filterwarnings("ignore", "To copy construct from a tensor", UserWarning)
+                block = next(blocks)
+        except StopIteration:
+            return
+        except Exception as error:  # datasets formats (and runs .map on) a block at a time: name it
+            raise DataError(
+                f"{name} items {first}-{first + ROWS_PER_READ - 1} of epoch {epoch}: reading them failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        columns = list(block.items())
+        count = len(columns[0][1]) if columns else 0
+        for row in range(count):
+            yield {key: values[row] for key, values in columns}
+        first += count
