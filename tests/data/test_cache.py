@@ -11,6 +11,7 @@ from torch.utils.data import Dataset
 
 import leantrain as lt
 from leantrain.data.cache import MANIFEST, CacheError, build_cache, fingerprint, open_cache, prepare_cache
+from leantrain.data.loader import reads_stored_values
 from tests.conftest import RegressionTask
 
 
@@ -60,6 +61,7 @@ def test_the_cache_returns_the_original_items(tmp_path, workers):
         assert_same_item(item, data[index])
     again, rebuilt = prepare_cache(data, tmp_path / "c", "test:train", "train_data")
     assert rebuilt is None and len(again) == len(data)  # complete: read, not built again
+    assert reads_stored_values(cached) and not reads_stored_values(data)  # the loader seeds only for data
 
 
 def test_an_interrupted_build_is_never_taken_for_a_complete_cache(tmp_path):

@@ -204,3 +204,11 @@ def test_plan_reads_a_table_as_fit_does(kind):
     rows = estimate_memory(HFTask(kind), lt.TrainConfig(global_batch_size=16, micro_batch_size=8)).rows
     assert [row.micro_batch_size for row in rows] == [1, 2, 4, 8, 16]
     assert all(row.memory.activation_bytes > 0 for row in rows)
+
+
+def test_a_table_without_a_transform_is_loaded_without_seeding_and_one_with_a_transform_is_seeded():
+    from leantrain.data.loader import reads_stored_values
+
+    table = datasets.Dataset.from_dict(columns(8))
+    assert reads_stored_values(torch_rows(table, "train_data"))
+    assert not reads_stored_values(table.with_transform(lambda rows: rows))  # a transform may draw

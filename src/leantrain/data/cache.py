@@ -145,6 +145,8 @@ def items_repeat(dataset: Dataset, index: int = 0) -> bool:
 class CachedDataset(Dataset):
     """The items of a complete cache folder, read from memory-mapped arrays."""
 
+    reads_stored_values = True  # loading draws no random number: the loader need not seed for it
+
     def __init__(self, folder: Path, manifest: dict[str, Any]) -> None:
         self.folder = folder
         self.size = manifest["fingerprint"]["size"]

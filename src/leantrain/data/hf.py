@@ -53,6 +53,11 @@ def is_hf_stream(dataset: Any) -> bool:
     return _is_instance(dataset, "IterableDataset")
 
 
+def is_stored_table(dataset: Any) -> bool:
+    """Whether ``dataset`` is a ``datasets`` table whose rows are read as stored (no transform)."""
+    return _is_instance(dataset, "Dataset") and dataset.format["type"] in ("torch", "numpy")
+
+
 def torch_rows(dataset: Any, name: str) -> Any:
     """``dataset`` as leantrain reads it: a ``datasets`` table or stream in torch format (see above);
     anything else unchanged. TaskError for a dict of splits, or a stream already split by process."""
