@@ -105,7 +105,7 @@ def test_the_doctor_finds_a_transformers_model_compute_bound_and_no_host_syncs_i
     assert diagnosis.retained_graphs == []
 
 
-def test_the_weights_load_back_into_a_fresh_model_and_export_as_a_transformers_folder(fit, tmp_path):
+def test_the_weights_load_back_into_a_fresh_model_and_export_as_a_transformers_folder(fit, tmp_path, capsys):
     result = fit(tiny("gpt2", layers=2), **SETTINGS)
     exported = weights(result)
     assert "transformer.wte.weight" in exported and "lm_head.weight" not in exported  # tied: once
@@ -117,6 +117,8 @@ def test_the_weights_load_back_into_a_fresh_model_and_export_as_a_transformers_f
     folder = tmp_path / "pretrained"
     arguments = ["export", str(checkpoint), str(folder), "--format", "transformers"]
     assert cli.main([*arguments, "--example", "hf-gpt2"]) != 0  # another architecture: refused
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "its weights do not fit task.model(): " in line and "Missing key(s)" in line
     assert cli.main([*arguments, "--task", f"{__name__}:tiny_gpt2"]) == 0
     loaded = transformers.GPT2LMHeadModel.from_pretrained(folder)
     assert loaded.lm_head.weight is loaded.transformer.wte.weight

@@ -334,10 +334,8 @@ def export_pretrained(model: nn.Module, checkpoint: Path | str, out: Path | str)
     try:
         _load_tied(model, weights)
     except RuntimeError as error:  # load_state_dict's list of missing, unexpected and mis-sized names
-        problems = " ".join(str(error).split("\n", 1)[-1].split())
         raise CheckpointError(
-            f"checkpoint {checkpoint}: its weights do not fit task.model() ({type(model).__name__}): "
-            f"{problems[:300]}"
+            f"checkpoint {checkpoint}: its weights do not fit task.model(): {_first_line(error)}"
         ) from None
     out = Path(out)
     check_folder(out, "out")

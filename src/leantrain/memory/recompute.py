@@ -37,12 +37,14 @@ class _Recomputed:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.forward = module.forward
+        # The arguments a recomputed forward is not given (looked up once, not per call).
+        self.cache = None if getattr(module, "_can_checkpoint_with_cache", False) else _cache_class()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.module.training:  # evaluation keeps no activations: nothing to save
             return self.forward(*args, **kwargs)
-        cache = _cache_class()
-        if cache is not None and not getattr(self.module, "_can_checkpoint_with_cache", False):
+        cache = self.cache
+        if cache is not None:
             args = tuple(None if isinstance(a, cache) else a for a in args)
             kwargs = {k: None if isinstance(v, cache) else v for k, v in kwargs.items()}
         return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
