@@ -67,3 +67,18 @@ def test_dropout_on_the_gpu_and_host_augmentation_resume_exactly(tmp_path):
     assert next(resumed.model.parameters()).is_cuda
     for a, b in zip(reference.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pinned_batches_come_from_the_main_process_and_from_workers(workers):
+    """Without workers leantrain loads in place of a DataLoader: it must pin as a DataLoader does."""
+    from torch.utils.data import TensorDataset
+
+    from leantrain.data.loader import build_loader
+
+    dataset = TensorDataset(torch.arange(12.0).reshape(6, 2), torch.arange(6))
+    batches = list(build_loader(dataset, "train_data", batch_size=4, num_workers=workers, pin_memory=True))
+    assert [len(batch[0]) for batch in batches] == [4, 2]
+    assert all(tensor.is_pinned() for batch in batches for tensor in batch)

@@ -102,6 +102,94 @@ def test_loading_stored_values_seeds_nothing_and_augmentation_is_still_seeded(mo
     assert len(set(seeds)) == 4  # one seed per micro-batch position
 
 
+class TensorItems(TensorDataset):
+    """A TensorDataset subclass: its own __getitem__ (augmentation, say) must still be called."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        image, label = super().__getitem__(index)
+        return image + 1000, label
+
+
+def _columns() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return TensorDataset(
+        torch.randn(40, 3, 2, generator=generator),  # image-like items
+        torch.randint(0, 10, (40,), generator=generator),  # 0-dim labels
+        torch.rand(40, generator=generator) > 0.5,  # bool
+    )
+
+
+def _one_by_one(dataset: Dataset, batch: list[int]) -> list[torch.Tensor]:
+    from torch.utils.data import default_collate
+
+    return default_collate([dataset[i] for i in batch])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_tensor_dataset_is_read_per_micro_batch_and_gives_what_the_items_collate_to(workers):
+    """One indexed read per tensor instead of an item tuple per row: the same batches, for the
+    dataset, a subset and a subset of a subset; a subclass keeps its own __getitem__."""
+    stored = _columns()
+    subsets = Subset(stored, list(range(39, -1, -2)))  # every other row, backwards
+    for dataset in (stored, subsets, Subset(subsets, [3, 1, 4, 15, 9, 2, 6, 5, 0, 7, 8, 10])):
+        sampler = GlobalBatchSampler(len(dataset), BatchSplit(8, 4), total_steps=3, seed=5)
+        batches = list(build_loader(dataset, "train_data", batch_sampler=sampler, num_workers=workers))
+        expected = [_one_by_one(dataset, list(rows)) for rows in sampler]
+        assert len(batches) == len(expected) == 6
+        for batch, reference in zip(batches, expected, strict=True):
+            assert type(batch) is list and len(batch) == 3
+            pairs = zip(batch, reference, strict=True)
+            assert all(torch.equal(b, r) and b.dtype == r.dtype for b, r in pairs)
+    subclass = TensorItems(*_columns().tensors[:2])
+    batch = next(iter(build_loader(subclass, "train_data", batch_size=4)))
+    assert batch[0].min() > 900
+
+
+def test_a_tensor_dataset_is_not_read_item_by_item(monkeypatch):
+    def one_item(self, index):
+        raise AssertionError("an item tuple was built")
+
+    monkeypatch.setattr(TensorDataset, "__getitem__", one_item)
+    sampler = GlobalBatchSampler(40, BatchSplit(8, 4), total_steps=2, seed=5)
+    assert len(list(build_loader(_columns(), "train_data", batch_sampler=sampler))) == 4
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_in_batches_of_a_size_gives_what_a_dataloader_gives(workers):
+    """Validation's loader (a batch size, a partial last batch): in the main process it is not a
+    DataLoader, and must still give the same batches, dict items included."""
+    from torch.utils.data import DataLoader
+
+    class Records(Dataset):
+        def __len__(self) -> int:
+            return 13
+
+        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+            return {"x": torch.full((2,), float(index)), "y": torch.tensor(index % 3)}
+
+    for dataset in (_columns(), Records()):
+        ours = build_loader(dataset, "val_data", batch_size=5, num_workers=workers)
+        theirs = list(DataLoader(dataset, batch_size=5))
+        assert len(ours) == len(theirs) == -(-len(dataset) // 5)  # the partial batch counts
+        for batch, reference in zip(ours, theirs, strict=True):
+            flat = batch.values() if isinstance(batch, dict) else batch
+            expected = reference.values() if isinstance(reference, dict) else reference
+            assert all(torch.equal(b, r) for b, r in zip(flat, expected, strict=True))
+
+
+def test_a_tensor_dataset_row_out_of_range_is_a_data_error_naming_the_item():
+    stored = TensorDataset(torch.arange(4.0))
+    for dataset in (stored, Subset(stored, [3, 2, 1])):
+        loader = build_loader(dataset, "train_data", batch_sampler=[[1, 2], [0, 7]])
+        with pytest.raises(DataError) as caught:
+            list(loader)
+        size = len(dataset)
+        assert (
+            str(caught.value)
+            == f"train_data item 7 failed: IndexError: index 7 is out of range for {size} items"
+        )
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_failing_item_names_its_index_and_the_original_error(workers):
     before = set(multiprocessing.active_children())  # another test's, under pytest-xdist

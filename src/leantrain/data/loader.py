@@ -1,16 +1,26 @@
 """The training DataLoader and the device prefetcher.
 
 The DataLoader is built once for the whole run around :class:`GlobalBatchSampler`,
-which spans every epoch, so worker processes never restart between epochs.
+which spans every epoch, so worker processes never restart between epochs. Without worker
+processes, :class:`MainProcessLoader` loads the micro-batches in place of a DataLoader.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset, default_collate
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    SequentialSampler,
+    Subset,
+    TensorDataset,
+    default_collate,
+)
 
 from leantrain.data.hf import is_stored_table
 from leantrain.errors import CollateError, DataError, TaskError
@@ -84,13 +94,53 @@ def reads_stored_values(dataset: Any) -> bool:
     return stored or is_stored_table(dataset)
 
 
+def stored_columns(dataset: Any) -> tuple[tuple[torch.Tensor, ...], Sequence[int] | None] | None:
+    """A ``TensorDataset``'s tensors and, for a (nested) ``Subset`` of one, the rows it keeps;
+    None for every other dataset (its items are loaded one by one)."""
+    rows: Sequence[int] | None = None
+    while isinstance(dataset, Subset):
+        rows = dataset.indices if rows is None else [dataset.indices[i] for i in rows]
+        dataset = dataset.dataset
+    if type(dataset) is not TensorDataset:  # a subclass may override __getitem__
+        return None
+    return dataset.tensors, rows
+
+
 class NamedBatches(NamedItemErrors):
     """NamedItemErrors that also collates each batch, where the items' indices are known, so that
     a batch that cannot be collated names the items at fault. The DataLoader's own collate step
     (``_collated_already``) then only hands the batch on."""
 
+    def __init__(self, dataset: Dataset, name: str, seed: int = 0) -> None:
+        super().__init__(dataset, name, seed)
+        self.columns = stored_columns(dataset)
+
     def _load(self, indices: list[int]) -> Any:
+        if self.columns is not None:
+            return self._read_columns(indices)
         return collate(super()._load(indices), indices, self.name)
+
+    def _read_columns(self, indices: list[int]) -> list[torch.Tensor]:
+        """The micro-batch as one indexed read per tensor: what ``default_collate`` makes of the
+        items (a list of stacked tensors, the same values), without building and stacking
+        ``len(indices)`` tuples of views (64 Python calls per micro-batch of 32)."""
+        tensors, rows = self.columns  # type: ignore[misc]
+        try:
+            # Through NumPy: torch.as_tensor of a list of 32 ints takes 15 µs, this 2 µs; and
+            # index_select is 2-3x faster than tensor[picked] for the same rows.
+            wanted = indices if rows is None else [rows[i] for i in indices]
+            picked = torch.from_numpy(np.array(wanted, np.int64))
+            return [tensor.index_select(0, picked) for tensor in tensors]
+        except IndexError as error:
+            size = len(self.dataset)  # type: ignore[arg-type]
+            index = next((i for i in indices if not 0 <= i < size), None)
+            if index is not None:
+                why = f"index {index} is out of range for {size} items"
+                raise DataError(f"{self.name} item {index} failed: IndexError: {why}") from None
+            raise DataError(
+                f"{self.name} items {list(indices)} failed: IndexError: a Subset names rows its dataset "
+                f"lacks ({error})"
+            ) from error
 
 
 def _collated_already(batch: Any) -> Any:
@@ -200,27 +250,61 @@ def build_loader(
     dataset: Dataset,
     name: str,
     *,
-    batch_sampler: Sampler[list[int]] | None = None,
+    batch_sampler: Iterable[list[int]] | None = None,
     batch_size: int | None = None,
     num_workers: int = 0,
     pin_memory: bool = False,
     prefetch_factor: int | None = None,
     seed: int = 0,
-) -> DataLoader:
-    """A DataLoader over ``dataset`` with item errors named; workers stay alive across epochs."""
+) -> DataLoader | MainProcessLoader:
+    """A loader over ``dataset`` with item errors named: a DataLoader whose workers stay alive
+    across epochs, or without workers a :class:`MainProcessLoader`."""
+    named = NamedBatches(dataset, name, seed)
+    if num_workers == 0:
+        if batch_sampler is None:
+            assert batch_size is not None
+            batch_sampler = BatchSampler(SequentialSampler(range(len(named))), batch_size, drop_last=False)
+        return MainProcessLoader(named, batch_sampler, pin_memory)
     return DataLoader(
-        NamedBatches(dataset, name, seed),
-        batch_sampler=batch_sampler,
+        named,
+        batch_sampler=batch_sampler,  # type: ignore[arg-type]
         batch_size=batch_size if batch_sampler is None else 1,
         shuffle=False,
         collate_fn=_collated_already,
         num_workers=num_workers,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor,
-        persistent_workers=num_workers > 0,
+        persistent_workers=True,
         # Worker seeds are drawn from this generator: augmentation is reproducible.
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+class MainProcessLoader:
+    """Micro-batches loaded in the main process, one ``__getitems__`` call each.
+
+    What a DataLoader with ``num_workers=0`` does, without its per-batch machinery (fetcher,
+    profiler record, index bookkeeping): 26 µs less per micro-batch (46 -> 20 µs for 32 rows
+    of a TensorDataset), which is most of the loop's cost beside a hand-written one.
+    """
+
+    num_workers = 0
+    persistent_workers = False
+
+    def __init__(self, dataset: NamedBatches, batch_sampler: Iterable[list[int]], pin_memory: bool) -> None:
+        self.dataset = dataset
+        self.batch_sampler = batch_sampler
+        # As a DataLoader: pinning needs an accelerator, and without one it is skipped.
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+
+    def __iter__(self) -> Iterator[Any]:
+        load = self.dataset.__getitems__
+        for indices in self.batch_sampler:
+            batch = load(indices)
+            yield map_tensors(batch, torch.Tensor.pin_memory) if self.pin_memory else batch
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
 
 
 def stop_workers(loader: Any) -> None:
@@ -249,15 +333,24 @@ def move_to_device(
     With ``dtype``, floating-point tensors are also cast to it (inputs of a 16-bit model);
     integer tensors such as labels and token ids keep theirs.
     """
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and tensor.is_floating_point() else None
+        return tensor.to(device, dtype=cast, non_blocking=non_blocking)
+
+    return map_tensors(batch, move)
+
+
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``fn`` applied to every tensor in it (nested tuples, namedtuples, lists, dicts)."""
     if isinstance(batch, torch.Tensor):
-        cast = dtype if dtype is not None and batch.is_floating_point() else None
-        return batch.to(device, dtype=cast, non_blocking=non_blocking)
+        return fn(batch)
     if isinstance(batch, dict):
-        return {key: move_to_device(value, device, non_blocking, dtype) for key, value in batch.items()}
+        return {key: map_tensors(value, fn) for key, value in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(move_to_device(value, device, non_blocking, dtype) for value in batch))
+        return type(batch)(*(map_tensors(value, fn) for value in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(value, device, non_blocking, dtype) for value in batch)
+        return type(batch)(map_tensors(value, fn) for value in batch)
     return batch
 
 
