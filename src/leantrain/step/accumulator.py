@@ -60,7 +60,7 @@ class MicroLoss(NamedTuple):
     def after_backward(self) -> MicroLoss:
         """What to keep once backward ran: the term detached. Kept attached, it would hold the
         micro-batch's graph, and every tensor the loss made, until the end of the step."""
-        return self._replace(term=self.term.detach())
+        return MicroLoss(self.term.detach(), self.value, self.count, self.samples)  # _replace: 2x slower
 
 
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | LossSum"]
