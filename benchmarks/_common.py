@@ -23,6 +23,18 @@ from typing import Any
 # The machine
 
 
+def git_state() -> str:
+    """The commit measured, and whether src/ differs from it."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *command], cwd=root, capture_output=True, text=True)
+
+    head = git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"
+    dirty = git("diff", "--quiet", "HEAD", "--", "src").returncode
+    return f"{head}, src/ {'with uncommitted changes' if dirty else 'clean'}"
+
+
 def load_now() -> str:
     """The 1-minute load average: other work on the machine is the first suspect of noise."""
     return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from _common import add_output_options, cpu_model, load_now, output_path, publish, ranged
+from _common import add_output_options, cpu_model, git_state, load_now, output_path, publish, ranged
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "startup.md"
@@ -127,15 +127,6 @@ def ratios(command: Command, reference: Command, cpu: bool = False) -> list[floa
 
 # ---------------------------------------------------------------------------------------
 # Report
-
-
-def git_state() -> str:
-    def git(*command: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True)
-
-    head = git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"
-    dirty = git("diff", "--quiet", "HEAD", "--", "src").returncode
-    return f"{head}, src/ {'with uncommitted changes' if dirty else 'clean'}"
 
 
 def versions() -> str:
