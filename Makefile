@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null && echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')" \
 	  || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,hf]"
+	$(PY) -m pip install --quiet -e ".[dev,hf,mlflow,wandb]"
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -275,7 +275,7 @@ def train(task: SlowDataTask, setting: Setting, steps: int, warmup: int, cache: 
             out_dir=str(Path(scratch) / "run"),
             log_every_n_steps=LOG_EVERY,
             progress="none",
-            tensorboard=False,
+            logger="none",
         )
         started = time.perf_counter()
         result = lt.Trainer(config, callbacks=[clock]).fit(task)
@@ -491,7 +491,7 @@ def render(
         "(`val_data = None` on the instance); "
         f"`leantrain.Trainer(TrainConfig(global_batch_size={BATCH_SIZE}, max_steps=..., seed={SEED}, "
         f'device="cpu", num_workers=..., cache=..., log_every_n_steps={LOG_EVERY:_}, progress="none", '
-        "tensorboard=False, out_dir=<fresh temporary folder>)).fit(task)`; one micro-batch per step. "
+        'logger="none", out_dir=<fresh temporary folder>)).fit(task)`; one micro-batch per step. '
         f"{args.steps} steps per run without the cache, {args.cache_steps} with it (it is so fast that "
         "a run of the same length would last a fraction of a second).",
         f"- Cache: built once before the timed rounds by `leantrain cache --example slowdata --out DIR` "

@@ -210,8 +210,8 @@ def fit_arguments(config: Config, out_dir: Path, windows: int) -> list[str]:
         str(SEED),
         "--progress",
         "none",
-        "--tensorboard",
-        "false",
+        "--logger",
+        "none",
         "--out",
         str(out_dir),
     ]

@@ -99,7 +99,7 @@ def make_config(total_steps: int, out_dir: str) -> lt.TrainConfig:
         out_dir=out_dir,
         log_every_n_steps=LOG_EVERY,
         progress="none",
-        tensorboard=False,
+        logger="none",
     )
 
 
@@ -308,7 +308,7 @@ def render(entries: list[Example], rounds: int, warmup: int, load_before: str, m
         f"- Work: the built-in examples `{'`, `'.join(EXAMPLES)}` (`leantrain.examples.load_example`), "
         "validation left out (the doctor skips it; it is no part of a step), fp32 on the CPU, "
         f'`TrainConfig(max_steps=warm-up + timed + {AUDITED}, seed={SEED}, device="cpu", '
-        f'log_every_n_steps={LOG_EVERY:_}, progress="none", tensorboard=False)` (global batch: the '
+        f'log_every_n_steps={LOG_EVERY:_}, progress="none", logger="none")` (global batch: the '
         "default), the same for both sides. *Plain fit*: `Trainer(config, callbacks=[clock]).fit(task)`, "
         "`clock.on_step` stamping `time.perf_counter()` at every step end. *Doctor*: "
         "`run_doctor(task, config, steps=timed, warmup=warm-up)`, which trains through the same "

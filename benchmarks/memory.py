@@ -91,7 +91,7 @@ ENGINES = {
     "lightning": "PyTorch Lightning",
     "accelerate": "HF Accelerate",
     # Not run unless named in --engines: the cost of the TensorBoard writer.
-    "leantrain-no-tb": "leantrain, tensorboard=False (not the default)",
+    "leantrain-no-tb": 'leantrain, logger="none" (not the default)',
 }
 SHORT = {
     BUILD: "build",
@@ -457,7 +457,7 @@ def probe(engine: str, job_name: str, steps: int, device: str, weights_out: Path
         settings = {
             "leantrain": {},
             "leantrain-log1": {"log_every_n_steps": 1},
-            "leantrain-no-tb": {"tensorboard": False},
+            "leantrain-no-tb": {"logger": "none"},
         }[engine]
         model = run_leantrain(job, steps, device, trace, **settings)
         settings.setdefault("log_every_n_steps", lt.TrainConfig().log_every_n_steps)

@@ -213,7 +213,7 @@ def run_leantrain(dataset: Dataset, steps: int) -> list[float]:
             out_dir=str(Path(scratch) / "run"),
             log_every_n_steps=LOG_EVERY,
             progress="none",
-            tensorboard=False,
+            logger="none",
         )
         lt.Trainer(config, callbacks=[clock]).fit(MLPTask(dataset))
     return clock.stamps
@@ -412,7 +412,7 @@ def render(
         f"{SAMPLES} x {FEATURES} random float32 features and {CLASSES} classes for all; "
         f"SGD (lr {LEARNING_RATE}, momentum {MOMENTUM}); batch {BATCH_SIZE}, shuffled, "
         f"DataLoader with num_workers=0; {steps} optimizer steps per run; leantrain with its default "
-        f'`log_every_n_steps={LOG_EVERY}`, `progress="none"`, `tensorboard=False`; the hand-written '
+        f'`log_every_n_steps={LOG_EVERY}`, `progress="none"`, `logger="none"`; the hand-written '
         f"loop keeps the detached loss and reads its mean every {LOG_EVERY} steps too (the same work)",
         f"- Method: each run stamps {CLOCK_WORDS[clock]} after every optimizer step; a run's step time "
         f"is the median gap between stamps, the first {warmup} dropped. {rounds} rounds, contenders "

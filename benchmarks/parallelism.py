@@ -116,7 +116,7 @@ def fit_arguments(strategy: Strategy, out_dir: Path, steps: int) -> list[str]:
         *("--device", "cpu"),
         *("--seed", str(SEED)),
         *("--progress", "plain"),
-        *("--tensorboard", "false"),
+        *("--logger", "none"),
         *("--out", str(out_dir)),
     ]
     launcher = ["launch", "--nproc-per-node", str(strategy.processes)] if strategy.processes > 1 else []

@@ -115,7 +115,7 @@ def train(
             out_dir=str(Path(scratch) / "run"),
             log_every_n_steps=LOG_EVERY,
             progress="none",
-            tensorboard=False,
+            logger="none",
         )
         return lt.Trainer(config, callbacks=[clock]).fit(task)
 
@@ -413,7 +413,7 @@ def render(
         f"({state32.params:,} parameters, tied embeddings), validation left out; AdamW (lr 3e-3, "
         f"weight decay 0.01); global batch {BATCH_SIZE} sequences of {SIZE['block']} characters, one "
         f"micro-batch per step; `leantrain.Trainer(TrainConfig(precision=..., seed={SEED}, "
-        f'log_every_n_steps={LOG_EVERY}, progress="none", tensorboard=False)).fit(task)`, '
+        f'log_every_n_steps={LOG_EVERY}, progress="none", logger="none")).fit(task)`, '
         f"{args.steps} optimizer steps per run",
         f"- Step time: an `on_step` callback stamps `time.perf_counter()` after every step; a run's "
         f"step time is the median gap between stamps, the first {args.warmup} gaps dropped (this "

@@ -133,7 +133,7 @@ def train(
             out_dir=str(Path(scratch) / "run"),
             log_every_n_steps=LOG_EVERY,
             progress="none",
-            tensorboard=False,
+            logger="none",
         )
         return lt.Trainer(config, callbacks=[clock]).fit(task)
 
@@ -479,7 +479,7 @@ def render(res: Results, args: argparse.Namespace, load_before: str, minutes: fl
         "embeddings), validation left out; AdamW (lr 3e-3, weight decay 0.01), fp32; "
         f"`leantrain.Trainer(TrainConfig(global_batch_size=..., micro_batch_size=..., seed={SEED}, "
         f'activation_checkpointing=None or "{CHECKPOINTING}", log_every_n_steps={LOG_EVERY}, '
-        'progress="none", tensorboard=False)).fit(task)`',
+        'progress="none", logger="none")).fit(task)`',
         "- Step time: an `on_step` callback stamps `time.perf_counter()` after every step; a run's step "
         "time is the median gap between stamps, the first gaps dropped (the first step also counts "
         "the saved activations, through Python hooks). All settings of a table run interleaved in one "

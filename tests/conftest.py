@@ -178,7 +178,7 @@ def without_validation(task: Any) -> Any:
 def quiet_config(out_dir: Path, **fields: Any) -> lt.TrainConfig:
     """A config that writes into ``out_dir`` and prints nothing."""
     fields.setdefault("progress", "none")
-    fields.setdefault("tensorboard", False)
+    fields.setdefault("logger", "none")
     return lt.TrainConfig(out_dir=str(out_dir), **fields)
 
 

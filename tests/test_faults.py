@@ -106,7 +106,7 @@ def test_the_cli_says_it_in_one_line_with_its_own_exit_code(small_disk, capsys):
     small_disk.fill(free_left=8192)  # the run folder and its metrics fit, a checkpoint does not
     out = small_disk.folder / "run"
     code = main(["fit", "--task", "tests.conftest:TinyClassifier", "--max-steps", "2", "--global-batch-size",
-                 "8", "--out", str(out), "--progress", "none", "--tensorboard", "false"])  # fmt: skip
+                 "8", "--out", str(out), "--progress", "none", "--logger", "none"])  # fmt: skip
     error = capsys.readouterr().err.strip()
     assert code == EXIT_STORAGE == 74
     assert len(error.splitlines()) == 1, error

@@ -24,7 +24,7 @@ from leantrain.config import TrainConfig
 from leantrain.data.limits import PAGE_BYTES, WORKER_BYTES, check_prefetch, max_workers
 from tests.conftest import RegressionTask
 
-BASE = ["fit", "--task", "tests.conftest:TinyClassifier", "--progress", "none", "--tensorboard", "false"]
+BASE = ["fit", "--task", "tests.conftest:TinyClassifier", "--progress", "none", "--logger", "none"]
 # Seconds a refused input may take: it must be refused before anything heavy starts.
 REFUSED_WITHIN = 5.0
 

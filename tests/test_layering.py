@@ -19,7 +19,7 @@ LAYERS = [
                 "checkpoint"]),
     ("step", ["step"]),
     ("pieces", ["strategies", "data", "memory", "log", "launch", "diagnose.advice", "diagnose.flops",
-                "diagnose.probe", "diagnose.syncs", "diagnose.timer", "examples"]),
+                "diagnose.probe", "diagnose.syncs", "diagnose.timer", "examples", "extensions"]),
     ("run", ["run", "trainer"]),
     ("commands", ["diagnose", "cli", "entry", "__main__", ""]),
 ]  # fmt: skip

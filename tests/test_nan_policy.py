@@ -49,7 +49,7 @@ def test_stop_names_the_step_and_saves_the_state_before_it(fit, tmp_path):
 
 def test_a_run_stopped_by_nan_continues_from_the_last_good_state(fit, tmp_path):
     """Resumed with the problem gone, the run ends exactly where a clean run ends."""
-    config = dict(STEPS, out_dir=str(tmp_path / "run"), progress="none", tensorboard=False)
+    config = dict(STEPS, out_dir=str(tmp_path / "run"), progress="none", logger="none")
     with pytest.raises(lt.NonFiniteLossError):
         lt.Trainer(lt.TrainConfig(**config)).fit(PoisonedSteps({4}))
     resumed = lt.Trainer(lt.TrainConfig(**config, resume="auto")).fit(RegressionTask())

@@ -36,7 +36,7 @@ def test_fit_writes_summary_metrics_tensorboard_and_weights(tmp_path):
         max_steps=16,
         log_every_n_steps=4,
         val_every_n_steps=8,
-        tensorboard=True,
+        logger="tensorboard",
     )
     result = lt.Trainer(cfg).fit(TinyClassifier())
     run = tmp_path / "run"
@@ -217,7 +217,7 @@ def test_an_existing_run_folder_is_never_overwritten(tmp_path):
 
 def test_default_run_folder_is_named_after_the_task(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = lt.TrainConfig(global_batch_size=16, max_steps=1, progress="none", tensorboard=False)
+    cfg = lt.TrainConfig(global_batch_size=16, max_steps=1, progress="none", logger="none")
     result = lt.Trainer(cfg).fit(RegressionTask(), name="regression")
     assert result.out_dir.parent == Path("runs") and result.out_dir.name.startswith("regression-")
     assert (tmp_path / result.out_dir / "summary.json").exists()

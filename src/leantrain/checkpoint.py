@@ -180,11 +180,13 @@ def _first_line(error: BaseException) -> str:
 
 
 class CheckpointFolder:
-    """The checkpoints of one run: numbered files, the newest K kept."""
+    """The checkpoints of one run: numbered files, the newest K kept, and those of the steps in
+    ``protected`` (the best ones by a metric, see ``extensions/best_checkpoints.py``)."""
 
     def __init__(self, folder: Path, keep: int) -> None:
         self.folder = Path(folder)
         self.keep = keep
+        self.protected: set[int] = set()
 
     def files(self) -> list[Path]:
         """Checkpoint files, oldest first (temporary files of interrupted saves are not listed)."""
@@ -201,7 +203,8 @@ class CheckpointFolder:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / checkpoint_name(step)
         save_checkpoint(path, state)
-        for old in self.files()[: -self.keep]:
+        rotated = [p for p in self.files() if _step_of(p) not in self.protected]
+        for old in rotated[: -self.keep]:
             old.unlink(missing_ok=True)
         for stale in self.folder.glob(".step-*.pt.tmp-*"):  # left by a save that was killed
             stale.unlink(missing_ok=True)
@@ -223,6 +226,12 @@ class CheckpointFolder:
             except CheckpointError as error:
                 warn(f"skipping {error}")
         return None
+
+
+def _step_of(path: Path) -> int:
+    match = _NAME.fullmatch(path.name)
+    assert match is not None
+    return int(match.group(1))
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:

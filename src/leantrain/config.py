@@ -31,6 +31,8 @@ Never = Literal["never"]
 LrScaling = Literal["none", "linear", "sqrt"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
 ProgressMode = Literal["auto", "rich", "plain", "none"]
+MetricMode = Literal["min", "max"]
+LOGGERS = ("tensorboard", "mlflow", "wandb")
 
 GROUPS = {
     "batch": "Batch and schedule: the global batch defines the math",
@@ -42,6 +44,7 @@ GROUPS = {
     "reproducibility": "Reproducibility",
     "logging": "Logging and outputs",
     "checkpointing": "Checkpoints and resume",
+    "early stopping": "Early stopping",
 }
 
 # Epochs trained when neither max_steps nor max_epochs is given.
@@ -176,7 +179,23 @@ class TrainConfig:
     progress: ProgressMode = _field(
         "auto", "logging", "auto: a live bar on a terminal, plain lines otherwise"
     )
-    tensorboard: bool = _field(True, "logging", "write TensorBoard event files into the run folder")
+    logger: str = _field(
+        "tensorboard",
+        "logging",
+        "where metrics go besides metrics.csv (always written), comma-separated: tensorboard (event files "
+        "in the run folder), mlflow, wandb; none: metrics.csv only",
+    )
+    mlflow_uri: str | None = _field(
+        None,
+        "logging",
+        "with logger mlflow: the tracking URI (a server, sqlite:///x.db, a folder); null: an mlruns folder "
+        "in the run folder",
+    )
+    wandb_project: str | None = _field(
+        None,
+        "logging",
+        "with logger wandb: the W&B project; null: leantrain (WANDB_MODE=offline is honoured)",
+    )
     # checkpointing
     checkpoint_every: int | Never | None = _field(
         None,
@@ -187,6 +206,29 @@ class TrainConfig:
     keep_checkpoints: int = _field(3, "checkpointing", "keep the newest K checkpoints of the run")
     resume: str | None = _field(
         None, "checkpointing", "auto: the newest valid checkpoint in out_dir, else start fresh; or a file"
+    )
+    keep_best: int = _field(
+        0,
+        "checkpointing",
+        "also keep the K checkpoints with the best best_metric (validations at val_every_n_steps), and "
+        "the best weights as best.safetensors; 0: none",
+    )
+    best_metric: str | None = _field(
+        None, "checkpointing", "with keep_best: a validation metric, e.g. val_loss"
+    )
+    best_mode: MetricMode = _field("min", "checkpointing", "with keep_best: min (lower is better) or max")
+    # early stopping
+    early_stop_metric: str | None = _field(
+        None,
+        "early stopping",
+        "stop when this validation metric (e.g. val_loss) stops improving; needs val_every_n_steps",
+    )
+    early_stop_mode: MetricMode = _field("min", "early stopping", "min (lower is better) or max")
+    early_stop_patience: int = _field(
+        3, "early stopping", "validations in a row without improvement before the run stops"
+    )
+    early_stop_min_delta: float = _field(
+        0.0, "early stopping", "an improvement smaller than this does not count"
     )
 
     def __post_init__(self) -> None:
@@ -232,6 +274,35 @@ class TrainConfig:
             raise ConfigError("resume", self.resume, "needs out_dir: the run folder to resume")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ConfigError("device", self.device, "allowed: auto, cpu, cuda, cuda:N, mps")
+        self._validate_watching()
+
+    def _validate_watching(self) -> None:
+        """Trackers, best checkpoints and early stopping: options that only work together."""
+        for name, value, needs in (
+            ("mlflow_uri", self.mlflow_uri, "mlflow"),
+            ("wandb_project", self.wandb_project, "wandb"),
+        ):
+            if value is not None and needs not in self.loggers:
+                raise ConfigError(name, value, f"needs logger {needs}")
+        watched = {"best_metric": self.best_metric, "early_stop_metric": self.early_stop_metric}
+        for name, metric in watched.items():
+            if metric is not None and not metric.startswith("val_"):
+                raise ConfigError(name, metric, "must be a validation metric: val_loss or val_<task metric>")
+        if (self.keep_best > 0) != (self.best_metric is not None):
+            raise ConfigError("best_metric", self.best_metric, "is needed with keep_best > 0, and only then")
+        if self.keep_best and not self.saves_checkpoints:
+            raise ConfigError("keep_best", self.keep_best, "needs checkpoints (checkpoint_every is never)")
+        if self.early_stop_metric is not None and self.val_every_n_steps is None:
+            raise ConfigError(
+                "early_stop_metric",
+                self.early_stop_metric,
+                "needs val_every_n_steps: without it the run validates once, at the end",
+            )
+
+    @property
+    def loggers(self) -> list[str]:
+        """The trackers besides metrics.csv, in the order given."""
+        return [] if self.logger == "none" else list(dict.fromkeys(self.logger.split(",")))
 
     def _validate_batch(self, world_size: int) -> None:
         per_rank, rest = divmod(self.global_batch_size, world_size)
@@ -298,6 +369,13 @@ _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "checkpoint_every": (lambda v: v == "never" or v > 0, "must be a positive integer, never or null"),
     "keep_checkpoints": (_positive, "must be a positive integer"),
     "resume": (lambda v: bool(v.strip()), "must be auto or the path of a checkpoint file"),
+    "keep_best": (lambda v: v >= 0, "must be 0 or more"),
+    "early_stop_patience": (_positive, "must be a positive integer"),
+    "early_stop_min_delta": (lambda v: 0 <= v < math.inf, "must be 0 or a positive finite number"),
+    "logger": (
+        lambda v: v == "none" or (bool(v) and set(v.split(",")) <= set(LOGGERS)),
+        f"must be none or a comma-separated list of {', '.join(LOGGERS)}",
+    ),
 }
 
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from leantrain.cluster import ClusterEnv, detect
 from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError, StorageError
+from leantrain.extensions.trackers import check_trackers
 from leantrain.run.hooks import Callback, Instruments, NoInstruments, StepStats
 from leantrain.run.loop import Run
 from leantrain.run.preflight import check_machine
@@ -62,6 +63,7 @@ class Trainer:
         device = _process_device(strategy.input_device(cfg, resolve_device(cfg.device)), env)
         run_dir = _run_dir(cfg.out_dir, name)
         check_machine(cfg, run_dir, env.local_world_size)
+        check_trackers(cfg)
         created_group = init_process_group(env, device)
         run = None
         try:
@@ -101,9 +103,19 @@ def _train(run: Run, callbacks: Sequence[Callback]) -> FitResult:
         # The error's traceback holds the run in a reference cycle: left to the collector, each
         # data worker would cost a 5 s wait at some later moment (in the user's next cell).
         run.stop_workers()
+        _end_callbacks(run.callbacks, None)
         raise
     run.logger.close()
-    return run.finish()
+    result = run.finish()
+    _end_callbacks(run.callbacks, result.summary())
+    return result
+
+
+def _end_callbacks(callbacks: Sequence[Any], summary: dict[str, Any] | None) -> None:
+    """``on_end`` of each callback: the summary, or None after an error or a stop signal."""
+    for callback in callbacks:
+        if hasattr(callback, "on_end"):
+            callback.on_end(summary)
 
 
 def _process_device(device: torch.device, env: ClusterEnv) -> torch.device:

@@ -135,4 +135,4 @@ def run_with_one_kill(fit_arguments: list[str], kill_after: str) -> str:
 
 @pytest.fixture
 def quiet_fit_flags() -> list[str]:
-    return ["--progress", "plain", "--tensorboard", "false", "--log-every-n-steps", "5"]
+    return ["--progress", "plain", "--logger", "none", "--log-every-n-steps", "5"]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from leantrain.checkpoint import export_checkpoint
 from tests.distributed.conftest import launch_here, run_with_one_kill, trained_weights
 
-FIT = "fit --global-batch-size 16 --micro-batch-size 4 --max-steps 20 --progress plain --tensorboard false"
+FIT = "fit --global-batch-size 16 --micro-batch-size 4 --max-steps 20 --progress plain --logger none"
 FIT = FIT.split()
 
 

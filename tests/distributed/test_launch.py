@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from tests.distributed.conftest import LEANTRAIN, REPO, fit_here, launch_here, run_with_one_kill, worker_env
 
 FIT = "fit --task tests.distributed.tasks:sum_task --global-batch-size 16 --micro-batch-size 4 --max-steps 20"
-FIT = [*FIT.split(), "--progress", "plain", "--tensorboard", "false"]
+FIT = [*FIT.split(), "--progress", "plain", "--logger", "none"]
 
 
 def free_port() -> int:

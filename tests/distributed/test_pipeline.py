@@ -10,7 +10,7 @@ import torch
 
 from tests.distributed.conftest import LEANTRAIN, REPO, trained_weights, worker_env
 
-FIT = "fit --global-batch-size 16 --micro-batch-size 4 --max-steps 12 --progress plain --tensorboard false"
+FIT = "fit --global-batch-size 16 --micro-batch-size 4 --max-steps 12 --progress plain --logger none"
 FIT = [*FIT.split(), "--log-every-n-steps", "4"]
 
 

@@ -45,8 +45,8 @@ def test_flags_and_yaml_config_set_the_same_fields(tmp_path):
         "3",
         "--out",
         "out",
-        "--tensorboard",
-        "false",
+        "--logger",
+        "none",
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
@@ -168,10 +168,19 @@ FROZEN_FIT_FLAGS = {
     "--log-every-n-steps",
     "--val-every-n-steps",
     "--progress",
-    "--tensorboard",
+    "--logger",
+    "--mlflow-uri",
+    "--wandb-project",
     "--checkpoint-every",
     "--keep-checkpoints",
     "--resume",
+    "--keep-best",
+    "--best-metric",
+    "--best-mode",
+    "--early-stop-metric",
+    "--early-stop-mode",
+    "--early-stop-patience",
+    "--early-stop-min-delta",
 }
 
 

@@ -20,7 +20,7 @@ LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
 # boundary, and most kills land mid-epoch; micro-batch 8 = 4 accumulation steps.
 FIT = ["fit", "--example", "digits", "--global-batch-size", "32", "--micro-batch-size", "8",
        "--max-steps", "50", "--checkpoint-every", "4", "--log-every-n-steps", "1", "--progress", "plain",
-       "--tensorboard", "false"]  # fmt: skip
+       "--logger", "none"]  # fmt: skip
 if torch.cuda.is_available():  # cuDNN's default convolution backward adds in any order
     FIT += ["--deterministic", "true"]
 

@@ -90,7 +90,7 @@ def free_port() -> int:
 def test_time_limit_signal_checkpoints_requeues_and_the_job_resumes_exactly(tmp_path):
     fit = ["--task", "tests.distributed.tasks:slow_sum_task", "--global-batch-size", "16",
            "--micro-batch-size", "4", "--max-steps", "40", "--checkpoint-every", "100",
-           "--log-every-n-steps", "1", "--progress", "plain", "--tensorboard", "false"]  # fmt: skip
+           "--log-every-n-steps", "1", "--progress", "plain", "--logger", "none"]  # fmt: skip
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake_slurm_commands(bin_dir)

@@ -120,7 +120,7 @@ def run_doctor(
             val_every_n_steps=None,
             checkpoint_every="never",  # a measurement, not a run to continue
             resume=None,
-            tensorboard=False,
+            logger="none",
             out_dir=cfg.out_dir or str(Path(scratch) / "run"),
         )
         try:

@@ -24,11 +24,30 @@ class StepStats(NamedTuple):
 
 
 class Callback(Protocol):
-    """Extension point: both methods are optional."""
+    """Extension point: every member is optional; the loop looks each one up once.
+
+    - ``on_step(stats)``: after every optimizer step (keep it cheap: it runs in the hot loop).
+    - ``on_log(step, metrics)``: at each log point (training metrics) and each validation
+      (``val_*`` metrics): the rows of ``metrics.csv``, on every process (the values are the
+      same on every rank).
+    - ``on_end(summary)``: once, with ``summary.json``'s values, or ``None`` when the run ended
+      by an error or a stop signal.
+    - ``stop_reason``: an attribute; a callback that sets it to a sentence during ``on_log``
+      stops the run after that log point or validation, with a checkpoint (early stopping).
+    - ``state_dict()`` / ``load_state_dict(state)``: what the callback must carry across a
+      resume, saved in every checkpoint under ``state_key`` (default: the class name).
+
+    Trackers, early stopping and best checkpoints are built on these (``leantrain.extensions``).
+    """
 
     def on_step(self, stats: StepStats) -> None: ...
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+
+def state_key(callback: Any) -> str:
+    """The name a callback's state is saved under in a checkpoint."""
+    return getattr(callback, "state_key", type(callback).__name__)
 
 
 class Instruments(Protocol):

@@ -37,9 +37,10 @@ from leantrain.run.builders import (
     pin_memory,
     schedule_length,
 )
-from leantrain.run.hooks import Callback, Instruments, StepStats
+from leantrain.run.hooks import Callback, Instruments, StepStats, state_key
 from leantrain.run.results import FitResult
 from leantrain.run.state import RunState
+from leantrain.run.watchers import built_in_callbacks
 from leantrain.runtime import (
     StopSignals,
     derived_seed,
@@ -104,7 +105,10 @@ class Run(RunState):
         self.steps_per_epoch, self.total_steps = schedule_length(cfg, self.data.size, self.split)
         self.checkpoints = CheckpointFolder(run_dir / "checkpoints", cfg.keep_checkpoints)
         self.start_step = 0
+        self.steps_done = 0  # the step training ended at: total_steps, or where it stopped early
         self.saved_rng: dict[str, Any] | None = None
+        self.saved_callbacks: dict[str, Any] = {}
+        self.callbacks: Sequence[Any] = ()
         self.resume_from(cfg.resume)
 
         self.sizer = MicroBatchSizer(task, cfg, self.precision, self.model, device, env, parts.recompute)
@@ -121,11 +125,21 @@ class Run(RunState):
         if device.type == "cpu":  # the workers and the step's compute share this node's CPUs
             threads = leave_cpus_to_workers(self.num_workers, cpus_per_process(env.local_world_size))
             self.data.notes += [threads] if threads else []
+        tensorboard = "tensorboard" in cfg.loggers
         self.logger = RunLogger(
-            run_dir, self.total_steps, cfg.progress, cfg.tensorboard, self.start_step, enabled=env.is_main
+            run_dir, self.total_steps, cfg.progress, tensorboard, self.start_step, enabled=env.is_main
         )
         self._log_setup(
             parts.notes + self.strategy.notes + optimization.notes + self.sizer.notes + self.data.notes
+        )
+        self.built_ins = built_in_callbacks(
+            cfg,
+            validates=self.val_loader is not None,
+            is_main=env.is_main,
+            run_dir=run_dir,
+            checkpoints=self.checkpoints,
+            write_weights=self.write_weights,
+            warn=self.logger.warning,
         )
         self.health = PrecisionHealth(self.progress, self.logger.warning)
         self.batch_norms = batch_norm_layers(parts.model)
@@ -188,6 +202,11 @@ class Run(RunState):
         stop_workers(self.val_loader)
 
     def train(self, callbacks: Sequence[Callback], signals: StopSignals) -> None:
+        callbacks = self._start_callbacks(callbacks)
+        if (early := _stop_reason(callbacks)) is not None:  # a resume of a run that stopped early
+            self.logger.message(f"{early}; the checkpoint is where it ended: nothing more to train")
+            self.steps_done = self.start_step
+            return
         cfg, optimizer = self.cfg, self.optimizer
         task_loss = TaskLoss(self.task)
         loss_fn = self.instruments.loss(self.sizer.enforce_budget(task_loss))
@@ -227,9 +246,15 @@ class Run(RunState):
             if log_due:
                 self._log_point(done, done - window_first_step, window_started, outcome, callbacks)
                 window_first_step, window_started = done, time.perf_counter()
-            if cfg.val_every_n_steps and done % cfg.val_every_n_steps == 0 and done < self.total_steps:
+            val_due = self._validation_due(done)
+            if val_due:
                 window_started += self._validate(done, callbacks)
-            checkpoint_due = cfg.checkpoint_due(done, self.total_steps)
+            # Callbacks speak only after a log point or a validation: nothing to ask otherwise.
+            early = _stop_reason(callbacks) if log_due or val_due else None
+            if early is not None:
+                self.progress["stopped_early_at"] = done  # before the save: a resume knows
+            asked = val_due and any(getattr(c, "checkpoint_at", None) == done for c in callbacks)
+            checkpoint_due = cfg.checkpoint_due(done, self.total_steps) or asked or early is not None
             stop = self._stop_requested(signals, done, checkpoint_due)
             if checkpoint_due or stop:
                 path = self.save_checkpoint(done) if cfg.saves_checkpoints else None
@@ -237,8 +262,29 @@ class Run(RunState):
                     received = signals.received or signal.SIGTERM
                     raise RunInterrupted(received.name, int(received), done, path and str(path))
             step = done
-        if self.val_loader is not None:
-            self._validate(self.total_steps, callbacks)
+            if early is not None:
+                self.logger.message(early)
+                break
+        self.steps_done = step
+        if self.val_loader is not None and self.start_step == self.total_steps:
+            self._validate(self.total_steps, callbacks)  # resumed after the last step: not validated yet
+
+    def _start_callbacks(self, user_callbacks: Sequence[Callback]) -> list[Any]:
+        """The built-in callbacks, then the user's, with the state a resumed checkpoint saved for them."""
+        callbacks = [*self.built_ins, *user_callbacks]
+        for callback in callbacks:
+            saved = self.saved_callbacks.get(state_key(callback))
+            if saved is not None and hasattr(callback, "load_state_dict"):
+                callback.load_state_dict(saved)
+        self.callbacks = callbacks  # their state goes into every checkpoint
+        return callbacks
+
+    def _validation_due(self, done: int) -> bool:
+        """After the last step, and every val_every_n_steps steps."""
+        if self.val_loader is None:
+            return False
+        every = self.cfg.val_every_n_steps
+        return done == self.total_steps or bool(every and done % every == 0)
 
     def _account_memory(self, activation_bytes: int) -> None:
         """Log what the memory is spent on, once, after the first step (the optimizer state exists)."""
@@ -335,14 +381,18 @@ class Run(RunState):
     def _wall_seconds(self) -> float:
         return self.progress["wall_seconds"] + time.perf_counter() - self.started
 
+    def write_weights(self, name: str) -> None:
+        """The trained weights as ``name`` in the run folder (call on every rank: sharded, a collective)."""
+        weights = self.strategy.trained_weights(self.precision)
+        if self.env.is_main:
+            export_weights(weights, self.run_dir / name, tied_aliases(self.model))
+
     def finish(self) -> FitResult:
         """Write the weights and summary.json (rank 0); return the result."""
-        weights = self.strategy.trained_weights(self.precision)  # sharded: gathered, a collective
-        if self.env.is_main:
-            export_weights(weights, self.run_dir / "model.safetensors", tied_aliases(self.model))
-        samples = self.total_steps * self.split.global_batch_size
+        self.write_weights("model.safetensors")
+        samples = self.steps_done * self.split.global_batch_size
         result = FitResult(
-            steps=self.total_steps,
+            steps=self.steps_done,
             samples=samples,
             final_train_loss=self.progress["final_train_loss"],
             samples_per_second=samples / max(self.progress["train_seconds"], 1e-9),
@@ -359,6 +409,7 @@ class Run(RunState):
             compute_threads=torch.get_num_threads(),
             skipped_steps=int(self.progress["skipped_steps"]),
             nonfinite_steps=int(self.progress["nonfinite_steps"]),
+            stopped_early="stopped_early_at" in self.progress,
             **(self.memory.as_dict() if self.memory is not None else {}),
             val_metrics=dict(self.val_metrics),
             out_dir=self.run_dir,
@@ -367,6 +418,11 @@ class Run(RunState):
         if self.env.is_main:
             atomic_write_json(self.run_dir / "summary.json", result.summary())
         return result
+
+
+def _stop_reason(callbacks: Sequence[Any]) -> str | None:
+    """The first callback's request to end the run (early stopping), if any."""
+    return next((reason for c in callbacks if (reason := getattr(c, "stop_reason", None))), None)
 
 
 def _measured_once(loss_fn: Any, saved: SavedActivations, later: Any) -> Any:

@@ -13,7 +13,7 @@ from torch import nn
 class FitResult:
     """What a run did; ``summary()`` is what ``summary.json`` holds."""
 
-    steps: int
+    steps: int  # optimizer steps trained (fewer than scheduled when the run stopped early)
     samples: int
     final_train_loss: float
     samples_per_second: float
@@ -30,6 +30,7 @@ class FitResult:
     compute_threads: int = 1  # torch's intra-op threads in training (lowered beside workers on CPU)
     skipped_steps: int = 0  # steps without an update: fp16 overflows and, with on_nan=skip, non-finite ones
     nonfinite_steps: int = 0  # of those, the steps whose loss or gradient was NaN/inf
+    stopped_early: bool = False  # early stopping ended the run at `steps`, before the schedule's end
     params_bytes: int = 0  # parameters (and fp32 masters); see memory/accountant.py
     grads_bytes: int = 0
     optimizer_bytes: int = 0

@@ -8,6 +8,7 @@ counters. Resuming needs the same number of processes (the generators are per ra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from leantrain.cluster import ClusterEnv
 from leantrain.config import TrainConfig
 from leantrain.errors import CheckpointError
 from leantrain.files import writing
+from leantrain.run.hooks import state_key
 from leantrain.step.batching import BatchSplit
 from leantrain.step.losses import LossTracker
 from leantrain.step.precision import Precision
@@ -52,6 +54,8 @@ class RunState:
     total_steps: int
     start_step: int
     saved_rng: dict[str, Any] | None
+    saved_callbacks: dict[str, Any]
+    callbacks: Sequence[Any]
 
     def _wall_seconds(self) -> float:
         raise NotImplementedError
@@ -78,6 +82,11 @@ class RunState:
             "rng": rng,
             "losses": self.tracker.state_dict(),
             "progress": {**self.progress, "wall_seconds": self._wall_seconds()},
+            "callbacks": {
+                state_key(callback): callback.state_dict()
+                for callback in self.callbacks
+                if hasattr(callback, "state_dict")
+            },
             "config": self.cfg.to_dict(),
             "dataset_size": self.dataset_size,
             "micro_batch_size": self.split.micro_batch_size,
@@ -134,6 +143,7 @@ class RunState:
         self.progress.update(state["progress"])
         self.start_step = min(state["step"], self.total_steps)
         self.saved_rng = _rng_of_rank(state, self.env, path)
+        self.saved_callbacks = state.get("callbacks", {})  # loaded into them when training starts
 
 
 def _rng_of_rank(state: dict[str, Any], env: ClusterEnv, path: Path) -> dict[str, Any]:

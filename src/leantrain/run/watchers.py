@@ -1,0 +1,46 @@
+"""The built-in callbacks a config asks for: early stopping, best checkpoints, trackers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from leantrain.checkpoint import CheckpointFolder
+from leantrain.config import TrainConfig
+from leantrain.errors import ConfigError
+from leantrain.extensions.best_checkpoints import BestCheckpoints
+from leantrain.extensions.early_stopping import EarlyStopping
+from leantrain.extensions.metric_watch import MetricWatch
+from leantrain.extensions.trackers import open_trackers
+
+
+def built_in_callbacks(
+    cfg: TrainConfig,
+    *,
+    validates: bool,
+    is_main: bool,
+    run_dir: Path,
+    checkpoints: CheckpointFolder,
+    write_weights: Callable[[str], None],
+    warn: Callable[[str], None],
+) -> list[Any]:
+    """Early stopping and best checkpoints on every process (they decide alike, from reduced
+    validation metrics, and saving is collective); trackers on rank 0 only."""
+    callbacks: list[Any] = []
+    for field, metric in (("early_stop_metric", cfg.early_stop_metric), ("best_metric", cfg.best_metric)):
+        if metric is not None and not validates:
+            raise ConfigError(field, metric, "needs validation data: the task has no val_data()")
+    if cfg.early_stop_metric is not None:
+        stalls = MetricWatch(
+            cfg.early_stop_metric, cfg.early_stop_mode, "early_stop_metric", cfg.early_stop_min_delta
+        )
+        callbacks.append(EarlyStopping(stalls, cfg.early_stop_patience))
+    if cfg.best_metric is not None:
+        watch = MetricWatch(cfg.best_metric, cfg.best_mode, "best_metric")
+        callbacks.append(
+            BestCheckpoints(watch, cfg.keep_best, checkpoints, lambda: write_weights("best.safetensors"))
+        )
+    if is_main:
+        callbacks += open_trackers(cfg, run_dir, warn)
+    return callbacks
