@@ -436,11 +436,17 @@ def run_fit(values: dict[str, Any], console: Console) -> FitResult:
 def _summary_table(result: FitResult) -> Table:
     table = Table(title=f"summary ({result.out_dir}/summary.json)", show_header=False)
     for key, value in result.summary().items():
-        text = (
-            f"{value:,.4g}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else value
-        )
-        table.add_row(key, str(text))
+        table.add_row(key, _summary_text(value))
     return table
+
+
+def _summary_text(value: object) -> str:
+    """A summary.json value as the table shows it: booleans as JSON writes them (a bool is an int)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:,.4g}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 def list_examples(console: Console) -> None:

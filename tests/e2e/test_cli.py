@@ -244,3 +244,12 @@ def test_cache_builds_once_then_fit_reads_it(tmp_path):
     foreign = run("cache", "--example", "charlm", "--out", "c", cwd=tmp_path)
     assert foreign.returncode == 2
     assert foreign.stderr.startswith("leantrain: error: cache c/train holds other data")
+
+
+def test_the_summary_table_shows_values_as_summary_json_holds_them():
+    from leantrain.cli import _summary_text
+
+    # A bool is an int: it printed as 0 and 1 where summary.json says false and true.
+    assert [_summary_text(v) for v in (True, False, 1234567, 0.000123456, "single")] == [
+        "true", "false", "1,234,567", "0.0001235", "single"
+    ]  # fmt: skip

@@ -288,8 +288,7 @@ class MainProcessLoader:
     of a TensorDataset), which is most of the loop's cost beside a hand-written one.
     """
 
-    num_workers = 0
-    persistent_workers = False
+    num_workers = 0  # as a DataLoader says it (the doctor's loader_facts reads it)
 
     def __init__(self, dataset: NamedBatches, batch_sampler: Iterable[list[int]], pin_memory: bool) -> None:
         self.dataset = dataset

@@ -251,8 +251,6 @@ class Run(RunState):
                 window_started += self._validate(done, callbacks)
             # Callbacks speak only after a log point or a validation: nothing to ask otherwise.
             early = _stop_reason(callbacks) if log_due or val_due else None
-            if early is not None:
-                self.progress["stopped_early_at"] = done  # before the save: a resume knows
             asked = val_due and any(getattr(c, "checkpoint_at", None) == done for c in callbacks)
             checkpoint_due = cfg.checkpoint_due(done, self.total_steps) or asked or early is not None
             stop = self._stop_requested(signals, done, checkpoint_due)
@@ -409,7 +407,7 @@ class Run(RunState):
             compute_threads=torch.get_num_threads(),
             skipped_steps=int(self.progress["skipped_steps"]),
             nonfinite_steps=int(self.progress["nonfinite_steps"]),
-            stopped_early="stopped_early_at" in self.progress,
+            stopped_early=self.steps_done < self.total_steps,  # the only way to end short of it
             **(self.memory.as_dict() if self.memory is not None else {}),
             val_metrics=dict(self.val_metrics),
             out_dir=self.run_dir,
