@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY          = $(VENV)/bin/python
 STAMP       = $(VENV)/.leantrain-installed
 
-.PHONY: install demo test test-gpu mutate lint bench clean
+.PHONY: install demo test test-slurm test-gpu mutate lint bench clean
 
 install: $(STAMP)
 
@@ -26,14 +26,24 @@ demo: $(STAMP)
 # starts its interpreters or waits on a launch, another uses the CPU; `worksteal`, so that an
 # idle worker takes tests queued on a busy one instead of waiting), then the tests marked
 # `serial` alone (they measure time). pytest exits 5 when it collected no test: that is a
-# failure, not a pass (the serial part may select none).
+# failure, not a pass (the serial part may select none). The `slurm` tests run in `make test-slurm`.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	@$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial" $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial and not slurm" $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; \
 	  $(PY) -m pytest -m serial $(PYTEST_ARGS); serial=$$?; \
 	  if [ $$serial -ne 0 ] && [ $$serial -ne 5 ]; then exit $$serial; fi; exit $$rc
+
+# The tests against a real SLURM (tests/slurm, about 2 min): Debian's SLURM and munge are installed
+# when missing (needs root and apt), a one-node cluster starts on this machine, and the tests run;
+# they skip, saying why, where SLURM cannot start.
+SLURM_PACKAGES = slurmctld slurmd slurm-client munge
+test-slurm: $(STAMP)
+	@command -v slurmctld >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    $(SLURM_PACKAGES)) >/dev/null 2>&1 || echo "warning: SLURM could not be installed; its tests will be skipped"
+	$(PY) -m pytest -m slurm -s -rs $(PYTEST_ARGS) tests/slurm
 
 # The tests marked `cuda` (skipped without a GPU; `make test` runs them too where one exists).
 # Results on a GPU machine go to benchmarks/results/gpu.md.

@@ -60,6 +60,15 @@ def test_folder_keeps_the_newest_k_and_ignores_unfinished_saves(tmp_path):
     assert not list((tmp_path / "checkpoints").glob(".*tmp*"))  # the stale temporary file is cleaned
 
 
+def test_protected_checkpoints_stay_beside_the_newest_k_even_when_the_newest_is_protected(tmp_path):
+    folder = CheckpointFolder(tmp_path / "checkpoints", keep=1)
+    for step, protected in ((4, {4}), (8, {4, 8}), (9, {4, 8}), (10, {4, 10})):
+        folder.protected = protected  # the best ones, as extensions/best_checkpoints.py sets them
+        folder.save(step, small_state(step))
+    # The newest (10, also among the best) and the other best (4); 8 fell out of the best, 9 is not newest.
+    assert [p.name for p in folder.files()] == ["step-00000004.pt", "step-00000010.pt"]
+
+
 def sharded_save(folder: CheckpointFolder, step: int, complete: bool = True):
     """A checkpoint file with a shards folder beside it, as an fsdp run writes them."""
     shards = folder.shard_folder(step)
@@ -318,7 +327,7 @@ def test_a_sharded_checkpoint_exports_the_whole_model_from_one_process(tmp_path,
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()  # optimizer state saved beside the model: the export must leave it out
     folder = CheckpointFolder(tmp_path, keep=2)
-    OneProcessShards(model).save_sharded(folder.shard_folder(5), optimizer)
+    OneProcessShards(model).save_sharded(folder.shard_folder(5), optimizer, {})
     folder.save(5, {**small_state(5), "model": None, "sharded": folder.shard_folder(5).name})
     recwarn.clear()
     exported = load_file(export_checkpoint(tmp_path / "step-00000005.pt", tmp_path / "w.safetensors"))

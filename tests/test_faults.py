@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -66,24 +67,34 @@ def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 class FillDiskAfter:
-    def __init__(self, disk: SmallDisk, step: int, blind: bool) -> None:
-        self.disk, self.step, self.blind = disk, step, blind
+    def __init__(self, disk: SmallDisk, step: int, blind: bool, saved: Path | None = None) -> None:
+        self.disk, self.step, self.blind, self.saved = disk, step, blind, saved
 
     def on_step(self, stats: lt.StepStats) -> None:
         if stats.step == self.step:
+            deadline = time.monotonic() + 30
+            while self.saved is not None and not self.saved.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)  # a save on its thread must not race the filler for the space
             self.disk.fill()
             if self.blind:
                 self.disk.blind_free_space_check()
 
 
-@pytest.mark.parametrize("blind", [False, True], ids=["checked-before-writing", "failed-while-writing"])
-def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_run_resumes_exactly(tmp_path, small_disk, blind):
+@pytest.mark.parametrize(
+    ("blind", "background"),
+    [(False, False), (True, False), (False, True)],
+    ids=["checked-before-writing", "failed-while-writing", "written-on-a-thread"],
+)
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_run_resumes_exactly(
+    tmp_path, small_disk, blind, background
+):
     if blind:
         small_disk.needs_a_real_one()
     reference = train(tmp_path / "reference", checkpoint_every=4, log_every_n_steps=100)
     run_dir = small_disk.folder / "run"
-    with pytest.raises(StorageError) as caught:
-        train(run_dir, [FillDiskAfter(small_disk, 5, blind)], checkpoint_every=4, log_every_n_steps=100)
+    with pytest.raises(StorageError) as caught:  # a background write's failure: at the next save or the end
+        filler = FillDiskAfter(small_disk, 5, blind, saved=run_dir / "checkpoints" / "step-00000004.pt")
+        train(run_dir, [filler], checkpoint_every=4, log_every_n_steps=100, async_checkpoint=background)
     message = str(caught.value)
     assert "\n" not in message
     assert f"could not write checkpoint {run_dir / 'checkpoints' / 'step-00000008.pt'}" in message

@@ -89,7 +89,9 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path, workers):
     reference = train(tmp_path / "reference", num_workers=workers, checkpoint_every=2)
     with pytest.raises(KeyboardInterrupt):
         train(tmp_path / "run", [StopAt(9)], num_workers=workers, checkpoint_every=5)
-    saved_window = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000005.pt")["losses"]
+    (saved_window,) = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000005.pt")[
+        "losses"
+    ]  # one rank's
     assert saved_window["steps"] == [3, 3, 4, 4]  # steps 4 and 5 (0-based), two micro-batches each
     resumed = train(tmp_path / "run", num_workers=workers, checkpoint_every=5, resume="auto")
     assert_same_parameters(reference.model, resumed.model)

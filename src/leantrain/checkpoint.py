@@ -203,9 +203,10 @@ class CheckpointFolder:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / checkpoint_name(step)
         save_checkpoint(path, state)
-        rotated = [p for p in self.files() if _step_of(p) not in self.protected]
-        for old in rotated[: -self.keep]:
-            old.unlink(missing_ok=True)
+        files = self.files()
+        for old in files[: -self.keep]:  # the newest K stay, protected or not; older ones unless protected
+            if _step_of(old) not in self.protected:
+                old.unlink(missing_ok=True)
         for stale in self.folder.glob(".step-*.pt.tmp-*"):  # left by a save that was killed
             stale.unlink(missing_ok=True)
         kept = {p.name.replace(".pt", SHARDS_SUFFIX) for p in self.files()}
@@ -312,26 +313,43 @@ def _load_tied(model: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:
     return model
 
 
-def _checkpoint_weights(checkpoint: Path | str) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
-    """The model weights of a checkpoint (a sharded one's gathered here) and its tied aliases."""
+# Other weights made from a checkpoint's model weights and its callbacks' states (the average).
+WeightsOf = Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, torch.Tensor]]
+
+
+def _checkpoint_weights(
+    checkpoint: Path | str, choose: WeightsOf | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """The model weights of a checkpoint (a sharded one's gathered here), or what ``choose`` makes
+    of them and the callbacks' states; and its tied aliases."""
     state = load_checkpoint(checkpoint)
+    model, callbacks = state["model"], state.get("callbacks", {})
     if state.get("sharded"):
-        return _gathered_model(Path(checkpoint), state["sharded"]), state.get("tied")
-    return state["model"], state.get("tied")
+        whole = _gathered_shards(Path(checkpoint), state["sharded"])
+        model, callbacks = whole["model"], {**callbacks, **whole.get("callbacks", {})}
+    if choose is not None:
+        try:
+            model = choose(model, callbacks)
+        except CheckpointError as error:
+            raise CheckpointError(f"checkpoint {checkpoint} {error}") from None
+    return model, state.get("tied")
 
 
-def export_checkpoint(checkpoint: Path | str, out: Path | str) -> Path:
-    """``leantrain export``: the model weights of a checkpoint as a safetensors file."""
+def export_checkpoint(checkpoint: Path | str, out: Path | str, choose: WeightsOf | None = None) -> Path:
+    """``leantrain export``: the model weights of a checkpoint (or what ``choose`` makes of them)
+    as a safetensors file."""
     out = Path(out)
     if out.is_dir():
         out = out / "model.safetensors"
     check_folder(out.parent, "out")
-    weights, aliases = _checkpoint_weights(checkpoint)
+    weights, aliases = _checkpoint_weights(checkpoint, choose)
     export_weights(weights, out, aliases)
     return out
 
 
-def export_pretrained(model: nn.Module, checkpoint: Path | str, out: Path | str) -> Path:
+def export_pretrained(
+    model: nn.Module, checkpoint: Path | str, out: Path | str, choose: WeightsOf | None = None
+) -> Path:
     """``leantrain export --format transformers``: the checkpoint's weights loaded into ``model``
     (the task's, freshly made) and written by its own ``save_pretrained`` into the folder ``out``."""
     if not callable(getattr(model, "save_pretrained", None)):
@@ -339,7 +357,7 @@ def export_pretrained(model: nn.Module, checkpoint: Path | str, out: Path | str)
             f"--format transformers needs a transformers model (one with save_pretrained); "
             f"task.model() returned a {type(model).__name__}: use the default safetensors format"
         )
-    weights, _ = _checkpoint_weights(checkpoint)
+    weights, _ = _checkpoint_weights(checkpoint, choose)
     try:
         _load_tied(model, weights)
     except RuntimeError as error:  # load_state_dict's list of missing, unexpected and mis-sized names
@@ -361,8 +379,9 @@ def check_shards(checkpoint: Path, folder: Path) -> None:
         raise CheckpointError(f"checkpoint {checkpoint}: its sharded state {folder} is missing or incomplete")
 
 
-def _gathered_model(checkpoint: Path, shards: str) -> dict[str, torch.Tensor]:
-    """The whole model of a sharded checkpoint, read from its shards in this one process."""
+def _gathered_shards(checkpoint: Path, shards: str) -> dict[str, Any]:
+    """Everything a sharded checkpoint's shards hold (model, optimizer, callbacks' states split like
+    the model), read whole in this one process."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     folder = checkpoint.parent / shards
@@ -370,4 +389,4 @@ def _gathered_model(checkpoint: Path, shards: str) -> dict[str, torch.Tensor]:
     with tempfile.TemporaryDirectory() as scratch:
         whole = Path(scratch) / "whole.pt"
         dcp_to_torch_save(str(folder), str(whole))
-        return torch.load(whole, map_location="cpu", weights_only=True)["model"]
+        return torch.load(whole, map_location="cpu", weights_only=True)

@@ -34,8 +34,9 @@ from leantrain.data.workers import auto_workers
 from leantrain.diagnose.probe import DEFAULT_STEPS, DEFAULT_WARMUP, TRACED_STEPS
 from leantrain.errors import ConfigError, LeantrainError, RunInterrupted, StorageError, TaskError
 from leantrain.examples import DEFAULT_EXAMPLE, EXAMPLES, load_example
+from leantrain.extensions.weight_average import averaged_weights
 from leantrain.files import check_folder
-from leantrain.launch.slurm import SlurmOptions, sbatch_script, submit
+from leantrain.launch.slurm import CPUS_PER_GPU, SlurmOptions, run_folder, sbatch_script, submit
 from leantrain.memory.estimate import DEFAULT_MARGIN, RECOMPUTE_PAYS, MemoryEstimate, estimate_memory
 from leantrain.run.preflight import check_machine
 from leantrain.strategies.registry import check_config, names, strategies
@@ -112,6 +113,7 @@ def _fit_parser(
     hints = typing.get_type_hints(TrainConfig)
     groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
     for field in dataclasses.fields(TrainConfig):
+        switch = {"nargs": "?", "const": True} if hints[field.name] is bool else {}  # --x means --x true
         groups[field.metadata["group"]].add_argument(
             flag(field.name),
             *FLAG_ALIASES.get(field.name, []),
@@ -119,6 +121,7 @@ def _fit_parser(
             default=field.default,
             metavar=metavar(hints[field.name]) if field.name != "strategy" else "{" + ",".join(names()) + "}",
             help=field.metadata["help"] if field.name != "strategy" else _strategy_help(),
+            **switch,
         )
     return parser
 
@@ -224,7 +227,7 @@ def run_plan(values: dict[str, Any], console: Console) -> MemoryEstimate:
     if as_json:
         print(json.dumps(plan.as_dict()))
     else:
-        # Wider than the 80 columns rich assumes for a pipe: the table has eight columns.
+        # Wider than the 80 columns rich assumes for a pipe: the table has eight or nine columns.
         Console(width=max(console.width, 110)).print(_plan_table(plan))
     return plan
 
@@ -232,14 +235,12 @@ def run_plan(values: dict[str, Any], console: Console) -> MemoryEstimate:
 def _plan_table(plan: MemoryEstimate) -> Table:
     budget = "" if plan.budget is None else f", budget {format_bytes(plan.budget)} less {plan.margin:.0%}"
     table = Table(title=f"memory per step, precision {plan.precision}{budget}")
-    columns = ("micro", "recompute", "params", "grads", "optimizer", "activations", "total", "fits")
-    for column in columns:
+    kinds = list(plan.rows[0].memory.parts()) if plan.rows else []  # params, grads, ..., ema when kept
+    for column in ("micro", "recompute", *kinds, "total", "fits"):
         table.add_column(column, justify="left" if column == "recompute" else "right", no_wrap=True)
     for row in plan.rows:
         m = row.memory
-        sizes = [
-            format_bytes(v) for v in (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.activation_bytes)
-        ]
+        sizes = [format_bytes(m.parts()[kind]) for kind in kinds]
         fits = "" if row.fits is None else "yes" if row.fits else "no"
         marker = " *" if row is plan.recommended else ""
         table.add_row(
@@ -273,20 +274,27 @@ def _export_parser() -> ArgumentParser:
         help="transformers: load the weights into the task's model and call its save_pretrained(OUT), "
         "so that from_pretrained(OUT) reads them back (needs --task or --example)",
     )
+    parser.add_argument(
+        "--weights",
+        choices=["trained", "ema"],
+        default="trained",
+        help="ema: the moving average of the weights (a run with --ema-decay), as ema.safetensors holds it",
+    )
     parser.add_argument("--task", default=None, help="the task whose model to fill, as 'pkg.module:Name'")
     parser.add_argument("--example", default=None, help=f"a built-in task: {', '.join(EXAMPLES)}")
     return parser
 
 
 def run_export(values: dict[str, Any], console: Console) -> None:
+    choose = averaged_weights if values["weights"] == "ema" else None
     if values["format"] == "safetensors":
-        written = export_checkpoint(values["checkpoint"], values["out"])
+        written = export_checkpoint(values["checkpoint"], values["out"], choose)
     else:
         if not (values["task"] or values["example"]):
             raise TaskError("export --format transformers needs --task or --example: the model to fill")
         task, _ = resolve_task(values["task"], values["example"])
         model = call_task("task.model()", task.model)
-        written = export_pretrained(model, values["checkpoint"], values["out"])
+        written = export_pretrained(model, values["checkpoint"], values["out"], choose)
     console.print(f"wrote {written}")
 
 
@@ -361,10 +369,36 @@ def _slurm_parser() -> ArgumentParser:
         exit_on_error=False,
     )
     parser.add_argument("--nodes", type=int, default=1, help="nodes")
-    parser.add_argument("--gpus-per-node", type=int, default=1, help="GPUs (= processes) per node")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=1, help="GPUs (= processes) per node; 0: a CPU cluster"
+    )
+    parser.add_argument(
+        "--procs-per-node",
+        type=int | None,
+        default=None,
+        help="processes per node on CPUs (--gpus-per-node 0)",
+    )
+    parser.add_argument(
+        "--cpus-per-task",
+        type=int | None,
+        default=None,
+        help=f"CPUs of each node's task; null: {CPUS_PER_GPU} per GPU, or SLURM's default without GPUs",
+    )
     parser.add_argument("--partition", default=None, help="SLURM partition")
     parser.add_argument("--time", default=None, help="time limit, e.g. 2:00:00")
     parser.add_argument("--job-name", default="leantrain", help="job name")
+    parser.add_argument("--account", default=None, help="SLURM account to charge")
+    parser.add_argument("--qos", default=None, help="SLURM quality of service")
+    parser.add_argument("--constraint", default=None, help="node features required, e.g. a100")
+    parser.add_argument(
+        "--exclusive", type=bool, nargs="?", const=True, default=False, help="whole nodes, shared with no job"
+    )
+    parser.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        help="a further sbatch option, written as given (repeatable), e.g. --sbatch-arg=--mem=64G",
+    )
     parser.add_argument(
         "--signal-seconds", type=int, default=120, help="checkpoint this long before the time limit"
     )
@@ -480,13 +514,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return launch(LaunchOptions(**values), run_arguments, run)
         elif namespace.command == "slurm":
             values = namespace.slurm.as_dict()
-            _, fit_arguments = _fit_arguments(values, "slurm", values["nodes"] * values["gpus_per_node"])
             dry_run = values.pop("dry_run")
-            script = sbatch_script(SlurmOptions(**values), fit_arguments)
+            fit_values = {"fit_arguments": values.pop("fit_arguments")}
+            options = SlurmOptions(**{**values, "sbatch_arg": tuple(values["sbatch_arg"])})
+            options.check()  # before the fit flags: the world size below needs valid options
+            world = values["nodes"] * options.processes_per_node
+            _, fit_arguments = _fit_arguments(fit_values, "slurm", world)
+            script = sbatch_script(options, fit_arguments)
             if dry_run:
                 print(script, end="")
             else:
-                console.print(f"submitted SLURM job {submit(script)}")
+                console.print(f"submitted SLURM job {submit(script, run_folder(fit_arguments))}")
         elif namespace.command == "plan":
             run_plan(namespace.plan.as_dict(), console)
         elif namespace.command == "cache":

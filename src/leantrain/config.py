@@ -45,6 +45,7 @@ GROUPS = {
     "logging": "Logging and outputs",
     "checkpointing": "Checkpoints and resume",
     "early stopping": "Early stopping",
+    "averaging": "Weight averaging",
 }
 
 # Epochs trained when neither max_steps nor max_epochs is given.
@@ -196,6 +197,12 @@ class TrainConfig:
         "logging",
         "with logger wandb: the W&B project; null: leantrain (WANDB_MODE=offline is honoured)",
     )
+    hang_timeout: float = _field(
+        1800.0,
+        "parallel",
+        "end the run (exit code 75) when it makes no progress for this many seconds, naming the "
+        "rank that did not arrive and where it is stuck; 0: never",
+    )
     # checkpointing
     checkpoint_every: int | Never | None = _field(
         None,
@@ -204,6 +211,12 @@ class TrainConfig:
         "checkpoint at all (nothing to resume from)",
     )
     keep_checkpoints: int = _field(3, "checkpointing", "keep the newest K checkpoints of the run")
+    async_checkpoint: bool = _field(
+        True,
+        "checkpointing",
+        "write checkpoints on a thread while training goes on (the loop only copies the state to host "
+        "memory, which holds that copy meanwhile); false: the loop waits for each write",
+    )
     resume: str | None = _field(
         None, "checkpointing", "auto: the newest valid checkpoint in out_dir, else start fresh; or a file"
     )
@@ -229,6 +242,16 @@ class TrainConfig:
     )
     early_stop_min_delta: float = _field(
         0.0, "early stopping", "an improvement smaller than this does not count"
+    )
+    # weight averaging
+    ema_decay: float | None = _field(
+        None,
+        "averaging",
+        "keep an exponential moving average of the weights, e = D*e + (1-D)*w after every optimizer "
+        "step from e = the initial weights, written as ema.safetensors; e.g. 0.999; null: none",
+    )
+    ema_validate: bool = _field(
+        False, "averaging", "with ema_decay: validate the averaged weights instead of the trained ones"
     )
 
     def __post_init__(self) -> None:
@@ -292,6 +315,10 @@ class TrainConfig:
             raise ConfigError("best_metric", self.best_metric, "is needed with keep_best > 0, and only then")
         if self.keep_best and not self.saves_checkpoints:
             raise ConfigError("keep_best", self.keep_best, "needs checkpoints (checkpoint_every is never)")
+        if self.ema_validate and self.ema_decay is None:
+            raise ConfigError(
+                "ema_validate", self.ema_validate, "needs ema_decay: there is no average to validate"
+            )
         if self.early_stop_metric is not None and self.val_every_n_steps is None:
             raise ConfigError(
                 "early_stop_metric",
@@ -372,6 +399,8 @@ _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "keep_best": (lambda v: v >= 0, "must be 0 or more"),
     "early_stop_patience": (_positive, "must be a positive integer"),
     "early_stop_min_delta": (lambda v: 0 <= v < math.inf, "must be 0 or a positive finite number"),
+    "hang_timeout": (lambda v: 0 <= v < math.inf, "must be 0 (off) or a positive number of seconds"),
+    "ema_decay": (lambda v: 0 < v < 1, "must be between 0 and 1 (exclusive), e.g. 0.999"),
     "logger": (
         lambda v: v == "none" or (bool(v) and set(v.split(",")) <= set(LOGGERS)),
         f"must be none or a comma-separated list of {', '.join(LOGGERS)}",

@@ -20,6 +20,7 @@ from leantrain.run.hooks import Callback, Instruments, NoInstruments, StepStats
 from leantrain.run.loop import Run
 from leantrain.run.preflight import check_machine
 from leantrain.run.results import FitResult
+from leantrain.run.watchdog import process_group_timeout
 from leantrain.runtime import (
     StopSignals,
     allocator_cap_lifted_after,
@@ -64,7 +65,7 @@ class Trainer:
         run_dir = _run_dir(cfg.out_dir, name)
         check_machine(cfg, run_dir, env.local_world_size)
         check_trackers(cfg)
-        created_group = init_process_group(env, device)
+        created_group = init_process_group(env, device, process_group_timeout(cfg.hang_timeout))
         run = None
         try:
             with (

@@ -65,12 +65,15 @@ def sum_task() -> RegressionTask:
 class SlowItems(RegressionTask):
     """Each item takes 2 ms to load: slow enough to kill a process in the middle of a run."""
 
+    seconds_per_item = 0.002
+
     def train_data(self):
         data = super().train_data()
+        delay = self.seconds_per_item
 
         class Slow(type(data)):
             def __getitem__(self, index):
-                time.sleep(0.002)
+                time.sleep(delay)
                 return super().__getitem__(index)
 
         return Slow(*data.tensors)
@@ -78,6 +81,13 @@ class SlowItems(RegressionTask):
 
 def slow_sum_task() -> SlowItems:
     return SlowItems(loss_kind="sum")
+
+
+def slower_sum_task() -> SlowItems:
+    """5 ms an item: a step of 16 samples over 2 processes takes at least 40 ms on any machine."""
+    task = SlowItems(loss_kind="sum")
+    task.seconds_per_item = 0.005
+    return task
 
 
 class RecordsRandomNumbers(RegressionTask):
@@ -145,3 +155,25 @@ def tiny_gpt2():
     from leantrain.examples.hf_lm import HFCausalLMTask
 
     return HFCausalLMTask("gpt2", block=16, layers=2, heads=2, width=32, max_chars=4000)
+
+
+def stalled_validation():
+    """TinyClassifier whose validation loss follows STALLS: best at the 2nd validation, then stalls."""
+    from tests.extensions.test_early_stopping_and_best import STALLS, ScriptedValidation
+
+    return ScriptedValidation(STALLS)
+
+
+class SleepsOnRank1(RegressionTask):
+    """Rank 1's loss never returns from step 3 on (the hang watchdog's test); rank 0 then waits
+    for it in the gradients' all-reduce."""
+
+    def __init__(self) -> None:
+        super().__init__(loss_kind="mean")
+        self.calls = 0
+
+    def loss(self, model, batch):
+        self.calls += 1
+        if os.environ.get("RANK") == "1" and self.calls > 4:  # micro-batches 1-4: steps 1 and 2
+            time.sleep(3600)  # the line the watchdog must name
+        return super().loss(model, batch)

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from leantrain.checkpoint import export_checkpoint
+from leantrain.extensions.weight_average import averaged_weights
 from tests.distributed.conftest import launch_here, run_with_one_kill, trained_weights
 
 FIT = "fit --global-batch-size 16 --micro-batch-size 4 --max-steps 20 --progress plain --logger none"
@@ -22,16 +23,19 @@ def train(out, task: str, *flags: str, processes: int = 1) -> dict[str, torch.Te
 # A LossSum in float64 (the exact normalisation) and a mean loss in float32.
 @pytest.mark.parametrize(("task", "tolerance"), [("sum_task", 1e-10), ("mean_task_fp32", 1e-5)])
 def test_fsdp_on_two_processes_trains_as_one_process(tmp_path, task, tolerance):
-    one = train(tmp_path / "one", task, "--micro-batch-size", "16")
+    one = train(tmp_path / "one", task, "--micro-batch-size", "16", "--ema-decay", "0.8")
     # 2 x (micro 4 x 2 accumulation): the reduce-scatter skipped on the first micro-batch
-    two = train(tmp_path / "two", task, "--strategy", "fsdp", "--shard-blocks", "Linear", processes=2)
+    sharded = ["--strategy", "fsdp", "--shard-blocks", "Linear", "--ema-decay", "0.8"]
+    two = train(tmp_path / "two", task, *sharded, processes=2)
+    average_one, average_two = (load_file(tmp_path / run / "ema.safetensors") for run in ("one", "two"))
     for name, tensor in one.items():
         assert two[name].dtype == tensor.dtype
         assert float((two[name] - tensor).abs().max()) <= tolerance, name
+        assert float((average_two[name] - average_one[name]).abs().max()) <= tolerance, name
     single, sharded = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("one", "two"))
     assert sharded["strategy"] == "fsdp"
     # Each process holds half of every parameter (every dim 0 here is even), gradient and state.
-    for kind in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+    for kind in ("params_bytes", "grads_bytes", "optimizer_bytes", "ema_bytes"):
         assert sharded[kind] * 2 == single[kind], kind
 
 
@@ -53,9 +57,16 @@ def test_a_transformers_gpt2_trains_under_fsdp_as_one_process_with_the_same_weig
 def test_a_killed_sharded_run_resumes_bit_identical(tmp_path):
     flags = "--task tests.distributed.tasks:slow_sum_task --max-steps 40 --checkpoint-every 4"
     flags = [*flags.split(), "--log-every-n-steps", "1", "--resume", "auto", "--strategy", "fsdp"]
+    flags += ["--ema-decay", "0.8"]  # the average's shards are saved and read with the model's
+    flags += ["--async-checkpoint", "true"]  # DCP's background save: the .pt file comes after the shards
     launch_here("--nproc-per-node", "2", *FIT, *flags, "--out", str(tmp_path / "uninterrupted"))
     stdout = run_with_one_kill([*FIT, *flags, "--out", str(tmp_path / "restarted")], kill_after="step 10/")
     assert "resumed after step" in stdout
+    average, expected_average = (
+        load_file(tmp_path / run / "ema.safetensors") for run in ("restarted", "uninterrupted")
+    )
+    assert average.keys() == expected_average.keys()
+    assert all(torch.equal(average[name], expected_average[name]) for name in average)
     expected = load_file(tmp_path / "uninterrupted" / "model.safetensors")
     actual = load_file(tmp_path / "restarted" / "model.safetensors")
     assert all(torch.equal(actual[name], expected[name]) for name in expected)
@@ -63,6 +74,12 @@ def test_a_killed_sharded_run_resumes_bit_identical(tmp_path):
     checkpoints = tmp_path / "restarted" / "checkpoints"
     exported = load_file(export_checkpoint(checkpoints / "step-00000040.pt", tmp_path / "export.safetensors"))
     assert all(torch.equal(exported[name], expected[name]) for name in expected)
+    # The average's shards, gathered the same way, are ema.safetensors.
+    average_out = export_checkpoint(
+        checkpoints / "step-00000040.pt", tmp_path / "ema.safetensors", averaged_weights
+    )
+    exported_average = load_file(average_out)
+    assert all(torch.equal(exported_average[name], expected_average[name]) for name in expected_average)
     assert sorted(p.name for p in checkpoints.iterdir()) == [
         f"step-000000{step}.{kind}" for step in (32, 36, 40) for kind in ("dcp", "pt")
     ]

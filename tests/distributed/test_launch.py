@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import socket
 import subprocess
+import time
 
 import torch
 from safetensors.torch import load_file
 
+from tests.distributed import tasks
 from tests.distributed.conftest import LEANTRAIN, REPO, fit_here, launch_here, run_with_one_kill, worker_env
 
 FIT = "fit --task tests.distributed.tasks:sum_task --global-batch-size 16 --micro-batch-size 4 --max-steps 20"
@@ -67,13 +70,14 @@ def test_two_nodes_on_one_machine_match_one_process(tmp_path):
 
 def test_a_killed_rank_is_restarted_and_the_run_resumes_exactly(tmp_path):
     flags = "--task tests.distributed.tasks:slow_sum_task --max-steps 40 --checkpoint-every 4"
-    flags = [*FIT, *flags.split(), "--log-every-n-steps", "1", "--resume", "auto"]
+    flags = [*FIT, *flags.split(), "--log-every-n-steps", "1", "--resume", "auto", "--ema-decay", "0.8"]
     launch_here("--nproc-per-node", "2", *flags, "--out", str(tmp_path / "uninterrupted"))
     stdout = run_with_one_kill([*flags, "--out", str(tmp_path / "restarted")], kill_after="step 10/")
     assert "resumed after step" in stdout  # the restarted group continued from a checkpoint
-    expected = load_file(tmp_path / "uninterrupted" / "model.safetensors")
-    actual = load_file(tmp_path / "restarted" / "model.safetensors")
-    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+    for weights in ("model.safetensors", "ema.safetensors"):  # the average too, from rank 0's file
+        expected = load_file(tmp_path / "uninterrupted" / weights)
+        actual = load_file(tmp_path / "restarted" / weights)
+        assert all(torch.equal(actual[name], expected[name]) for name in expected), weights
 
 
 def test_each_rank_draws_its_own_random_numbers(tmp_path):
@@ -89,3 +93,24 @@ def test_each_rank_draws_its_own_random_numbers(tmp_path):
     draws = [(probe / f"rank{rank}.txt").read_text().split() for rank in (0, 1)]
     assert len(draws[0]) == len(draws[1]) == 3 * 2  # 3 steps of 2 micro-batches
     assert not set(draws[0]) & set(draws[1])
+
+
+def test_a_rank_stuck_in_its_loss_ends_the_run_naming_the_rank_and_the_line(tmp_path):
+    """Rank 1 sleeps forever in the task's loss at step 3; rank 0 waits for it in the all-reduce."""
+    out = tmp_path / "run"
+    started = time.monotonic()
+    done = subprocess.run(
+        [LEANTRAIN, "launch", "--nproc-per-node", "2", *FIT, "--max-steps", "20", "--hang-timeout", "5",
+         "--task", "tests.distributed.tasks:SleepsOnRank1", "--out", str(out)],
+        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert time.monotonic() - started < 5 + 60
+    source, first = inspect.getsourcelines(tasks.SleepsOnRank1.loss)
+    line = first + next(i for i, text in enumerate(source) if "time.sleep(3600)" in text)
+    said = [text for text in done.stderr.splitlines() if "leantrain: error: no progress" in text]
+    assert len(said) == 1, done.stderr[-3000:]
+    assert " s at step 3: rank 1 did not arrive; rank 1 at " in said[0]
+    assert f"tasks.py:{line} in loss; rank 0 waits at " in said[0]
+    assert sorted(p.name for p in (out / "hang").iterdir()) == ["rank0.txt", "rank1.txt"]
+    assert f"line {line} in loss" in (out / "hang" / "rank1.txt").read_text()

@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.distributed.conftest import LEANTRAIN, REPO, trained_weights, worker_env
 
@@ -75,11 +76,17 @@ def test_two_pipelines_of_two_stages_train_as_one_process(tmp_path):
 
 
 def test_a_pipeline_resumes_from_its_sharded_checkpoint_exactly(tmp_path):
-    flags = ["--strategy", "pipeline", "--pipeline-stages", "2", "--checkpoint-every", "4"]
+    flags = ["--strategy", "pipeline", "--pipeline-stages", "2", "--checkpoint-every", "4",
+             "--ema-decay", "0.8", "--async-checkpoint", "true"]  # fmt: skip
     whole = train(tmp_path / "whole", "deep_task", *flags, processes=2)
     train(tmp_path / "parts", "deep_task", *flags, "--max-steps", "6", processes=2)
     resumed = train(tmp_path / "parts", "deep_task", *flags, "--resume", "auto", processes=2)
     assert all(torch.equal(resumed[name], whole[name]) for name in whole)
+    # Each stage's part of the average is saved under its own names, and read back by its stage.
+    average, expected = (load_file(tmp_path / run / "ema.safetensors") for run in ("parts", "whole"))
+    assert sorted(average) == sorted(whole)
+    assert all(torch.equal(average[name], expected[name]) for name in expected)
+    assert any(not torch.equal(average[name], whole[name]) for name in whole)  # an average, not the weights
 
 
 def test_stages_that_do_not_divide_the_processes_are_refused_before_launch():

@@ -181,6 +181,10 @@ FROZEN_FIT_FLAGS = {
     "--early-stop-mode",
     "--early-stop-patience",
     "--early-stop-min-delta",
+    "--ema-decay",
+    "--ema-validate",
+    "--hang-timeout",
+    "--async-checkpoint",
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 import warnings
 from pathlib import Path
 
@@ -120,15 +121,25 @@ def wandb_history(run_dir: Path) -> tuple[list[dict], dict]:
     return rows, summary
 
 
-def test_wandb_offline_writes_the_metrics_and_the_summary(tmp_path, monkeypatch):
+def test_wandb_offline_writes_the_metrics_and_the_summary_under_one_run_id_across_a_resume(
+    tmp_path, monkeypatch
+):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    result = lt.Trainer(quiet_config(out, **RUN, logger="wandb,tensorboard", wandb_project="tests")).fit(
-        TinyClassifier()
-    )
+    settings = dict(RUN, logger="wandb,tensorboard", wandb_project="tests", checkpoint_every=2)
+    with pytest.raises(KeyboardInterrupt):
+        lt.Trainer(quiet_config(out, **settings), callbacks=[StopAt(5)]).fit(TinyClassifier())
+    result = lt.Trainer(quiet_config(out, **settings, resume="auto")).fit(TinyClassifier())
+    # Offline, each process writes a folder of its own, holding run-<id>.wandb: one id, two folders.
+    runs = sorted(out.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 2 and len({path.name for path in runs}) == 1, runs
     history, summary = wandb_history(out)
+    deadline = time.monotonic() + 20  # W&B's own process may still be writing the resumed run's file
+    while len({row["_step"] for row in history if "train_loss" in row}) < 4 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        history, summary = wandb_history(out)
     assert sorted({row["_step"] for row in history if "train_loss" in row}) == csv_steps(out, "train_loss")
     assert sorted({row["_step"] for row in history if "val_loss" in row}) == csv_steps(out, "val_loss")
     assert summary["summary/steps"] == result.steps == 8

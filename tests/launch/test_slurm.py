@@ -9,6 +9,7 @@ script's own fallback then signals the job step directly.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import stat
@@ -47,6 +48,43 @@ def test_dry_run_script_has_the_job_shape_and_the_requeue_logic():
     assert '--nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node 4' in script
     assert "fit --example charlm --out runs/lm --resume auto &" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid bash
+
+
+def test_a_cpu_cluster_job_asks_for_no_gpus_and_passes_what_clusters_require(tmp_path):
+    options = SlurmOptions(
+        gpus_per_node=0, procs_per_node=2, account="proj", qos="high", constraint="skylake", exclusive=True,
+        sbatch_arg=("--mem=8G", "--mail-type=END"),
+    )  # fmt: skip
+    script = sbatch_script(options, ["--out", str(tmp_path / "run")])
+    directives = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert not any("gpus" in line or "cpus-per-task" in line for line in directives)  # SLURM's defaults
+    for line in ["--account=proj", "--qos=high", "--constraint=skylake", "--exclusive", "--mem=8G",
+                 "--mail-type=END", f"--output={tmp_path / 'run' / 'slurm-%j.out'}"]:  # fmt: skip
+        assert f"#SBATCH {line}" in directives
+    assert '--nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node 2' in script
+    explicit = sbatch_script(SlurmOptions(gpus_per_node=0, cpus_per_task=6), ["--out", "r"])
+    assert "#SBATCH --cpus-per-task=6" in explicit and "--nproc-per-node 1" in explicit
+
+
+def test_relative_run_folders_become_absolute_in_the_output_directive(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = sbatch_script(SlurmOptions(), ["--out=runs/a"])
+    assert f"#SBATCH --output={tmp_path / 'runs' / 'a' / 'slurm-%j.out'}" in script
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(gpus_per_node=-1), "invalid gpus_per_node=-1: must be 0 (CPUs) or more"),
+        (dict(gpus_per_node=4, procs_per_node=2), "invalid procs_per_node=2: with GPUs there is one process"),
+        (dict(procs_per_node=0, gpus_per_node=0), "invalid procs_per_node=0: must be 1 or more"),
+        (dict(sbatch_arg=("mem=8G",)), "invalid sbatch_arg='mem=8G': must be one sbatch option"),
+        (dict(sbatch_arg=("--mem=8G\n#SBATCH --x",)), "must be one sbatch option"),
+    ],
+)
+def test_bad_job_shapes_are_one_line_errors(options, message):
+    with pytest.raises(LeantrainError, match=re.escape(message)):
+        sbatch_script(SlurmOptions(**options), ["--out", "r"])
 
 
 def test_an_explicit_resume_is_kept():

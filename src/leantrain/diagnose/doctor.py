@@ -141,8 +141,9 @@ def diagnose_run(
     reached = probe.flops_per_step / phases["total"] if phases["total"] > 0 else 0.0
     peak = at_least(peak_flops(device, compute_dtype(cfg.precision)), reached)
     memory = MemoryBreakdown(
-        result.params_bytes, result.grads_bytes, result.optimizer_bytes, result.activation_bytes
-    )
+        result.params_bytes, result.grads_bytes, result.optimizer_bytes, result.activation_bytes,
+        result.ema_bytes,
+    )  # fmt: skip
     measurements = Measurements(
         phases=phases,
         memory=memory,

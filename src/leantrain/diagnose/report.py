@@ -30,7 +30,6 @@ PHASE_COLOURS = {
     "optimizer": "#8c564b",
     "other": "#7f7f7f",
 }
-MEMORY_KINDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 
@@ -76,9 +75,7 @@ def print_report(d: Diagnosis, console: Console) -> None:
     console.print(phases)
     console.print(flops_line(d))
     if d.memory is not None:
-        parts = ", ".join(
-            f"{kind.removesuffix('_bytes')} {format_bytes(getattr(d.memory, kind))}" for kind in MEMORY_KINDS
-        )
+        parts = ", ".join(f"{kind} {format_bytes(size)}" for kind, size in d.memory.parts().items())
         console.print(
             f"memory: {parts}; total {format_bytes(d.memory.total_bytes)}; "
             f"process peak {format_bytes(d.peak_memory_bytes)}"
@@ -166,15 +163,15 @@ def memory_chart(d: Diagnosis) -> str:
 
     plt.rcParams["svg.fonttype"] = "path"
     assert d.memory is not None
-    labels = [kind.removesuffix("_bytes") for kind in MEMORY_KINDS]
-    sizes = [getattr(d.memory, kind) for kind in MEMORY_KINDS]
+    labels, sizes = zip(*d.memory.parts().items(), strict=True)
     # The axis in the largest unit that keeps the biggest bar at 1 or more.
     units = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
     unit, scale = next(((name, size) for name, size in units if max(sizes) >= size), ("B", 1))
     values = [size / scale for size in sizes]
     figure, axes = plt.subplots(figsize=(8, 2.2))
-    bars = axes.barh(labels, values, color=["#1f77b4", "#2ca02c", "#8c564b", "#ff7f0e"])
-    axes.bar_label(bars, labels=[format_bytes(getattr(d.memory, k)) for k in MEMORY_KINDS], padding=3)
+    colors = ["#1f77b4", "#2ca02c", "#8c564b", "#ff7f0e", "#9467bd"][: len(sizes)]
+    bars = axes.barh(labels, values, color=colors)
+    axes.bar_label(bars, labels=[format_bytes(size) for size in sizes], padding=3)
     axes.invert_yaxis()
     axes.set_xlabel(unit)
     axes.set_title(f"memory by kind (total {format_bytes(d.memory.total_bytes)})")

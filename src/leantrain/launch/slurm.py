@@ -1,6 +1,7 @@
 """``leantrain slurm``: an sbatch script that runs ``leantrain launch`` on every node.
 
-One SLURM task per node runs torchrun, which starts one worker per GPU. Before the time
+One SLURM task per node runs torchrun, which starts one worker per GPU (or ``procs_per_node``
+workers on a CPU cluster, ``gpus_per_node=0``). Before the time
 limit SLURM sends SIGUSR1 to the batch shell (``--signal=B:USR1@...``); the shell forwards
 it to the job step, torchrun forwards it to the workers, the workers save a checkpoint and
 stop, and the shell requeues the job, which resumes with ``--resume auto``.
@@ -20,31 +21,89 @@ from pathlib import Path
 
 from leantrain.errors import LeantrainError
 
+CPUS_PER_GPU = 8  # --cpus-per-task's default with GPUs: loader workers and the host side of each GPU
+
 
 @dataclass(frozen=True)
 class SlurmOptions:
     nodes: int = 1
-    gpus_per_node: int = 1
+    gpus_per_node: int = 1  # 0: a CPU cluster (no GRES line); processes from procs_per_node
+    procs_per_node: int | None = None  # None: one per GPU, or 1 without GPUs
+    cpus_per_task: int | None = None  # None: CPUS_PER_GPU per GPU, or SLURM's default without GPUs
     partition: str | None = None
     time: str | None = None  # SLURM's format, e.g. "2:00:00"
     job_name: str = "leantrain"
-    cpus_per_gpu: int = 8
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    exclusive: bool = False
+    sbatch_arg: tuple[str, ...] = ()  # further directives, written as given: "--mem=64G"
     signal_seconds: int = 120  # warning before the time limit, to save a checkpoint
     port: int = 29500  # the rendezvous port on the first node
 
+    @property
+    def processes_per_node(self) -> int:
+        return self.procs_per_node or self.gpus_per_node or 1
+
     def check(self) -> None:
-        for name in ("nodes", "gpus_per_node", "cpus_per_gpu", "signal_seconds", "port"):
-            if getattr(self, name) < 1:
-                raise LeantrainError(f"invalid {name}={getattr(self, name)}: must be 1 or more")
+        for name in ("nodes", "signal_seconds", "port", "procs_per_node", "cpus_per_task"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise LeantrainError(f"invalid {name}={value}: must be 1 or more")
+        if self.gpus_per_node < 0:
+            raise LeantrainError(f"invalid gpus_per_node={self.gpus_per_node}: must be 0 (CPUs) or more")
+        if self.gpus_per_node and self.procs_per_node not in (None, self.gpus_per_node):
+            raise LeantrainError(
+                f"invalid procs_per_node={self.procs_per_node}: with GPUs there is one process per GPU "
+                f"({self.gpus_per_node}); leave it out, or give --gpus-per-node 0 for a CPU cluster"
+            )
+        for directive in self.sbatch_arg:
+            if not directive.startswith("--") or any(c in directive for c in "\n\r"):
+                raise LeantrainError(
+                    f"invalid sbatch_arg={directive!r}: must be one sbatch option, such as --mem=64G"
+                )
+
+    def directives(self, run_dir: Path) -> list[str]:
+        """The ``#SBATCH`` options, the job's output file in the run folder."""
+        cpus = self.cpus_per_task or (CPUS_PER_GPU * self.gpus_per_node if self.gpus_per_node else None)
+        optional = {
+            "gpus-per-node": self.gpus_per_node or None,  # no GRES request on a CPU cluster
+            "cpus-per-task": cpus,  # unset: SLURM's own default
+            "partition": self.partition,
+            "time": self.time,
+            "account": self.account,
+            "qos": self.qos,
+            "constraint": self.constraint,
+        }
+        return [
+            f"--job-name={self.job_name}",
+            f"--nodes={self.nodes}",
+            "--ntasks-per-node=1",
+            *(f"--{name}={value}" for name, value in optional.items() if value is not None),
+            *(["--exclusive"] if self.exclusive else []),
+            f"--signal=B:USR1@{self.signal_seconds}",
+            "--requeue",
+            "--open-mode=append",
+            f"--output={run_dir / 'slurm-%j.out'}",
+            *self.sbatch_arg,
+        ]
+
+
+def run_folder(fit_arguments: Sequence[str]) -> Path:
+    """The run folder that ``fit --out`` names (absolute: the job's output file goes there)."""
+    arguments = list(fit_arguments)
+    for index, argument in enumerate(arguments):
+        for flag in ("--out", "--out-dir"):
+            if argument == flag and index + 1 < len(arguments):
+                return Path(arguments[index + 1]).resolve()
+            if argument.startswith(flag + "="):
+                return Path(argument.split("=", 1)[1]).resolve()
+    raise LeantrainError("leantrain slurm needs fit --out DIR: the run folder that a requeued job resumes")
 
 
 def _with_resume(fit_arguments: Sequence[str]) -> list[str]:
     """The fit arguments, with ``--resume auto`` added: a requeued job continues its run."""
     arguments = list(fit_arguments)
-    if not any(a in ("--out", "--out-dir") or a.startswith(("--out=", "--out-dir=")) for a in arguments):
-        raise LeantrainError(
-            "leantrain slurm needs fit --out DIR: the run folder that a requeued job resumes"
-        )
     if not any(a == "--resume" or a.startswith("--resume=") for a in arguments):
         arguments += ["--resume", "auto"]
     return arguments
@@ -52,24 +111,10 @@ def _with_resume(fit_arguments: Sequence[str]) -> list[str]:
 
 def sbatch_script(options: SlurmOptions, fit_arguments: Sequence[str]) -> str:
     options.check()
+    run_dir = run_folder(fit_arguments)
     fit = shlex.join(_with_resume(fit_arguments))
     python = shlex.quote(sys.executable)  # this environment's Python, on every node
-    directives = [
-        f"--job-name={options.job_name}",
-        f"--nodes={options.nodes}",
-        "--ntasks-per-node=1",
-        f"--gpus-per-node={options.gpus_per_node}",
-        f"--cpus-per-task={options.cpus_per_gpu * options.gpus_per_node}",
-        f"--signal=B:USR1@{options.signal_seconds}",
-        "--requeue",
-        "--open-mode=append",
-        "--output=%x-%j.out",
-    ]
-    if options.partition:
-        directives.append(f"--partition={options.partition}")
-    if options.time:
-        directives.append(f"--time={options.time}")
-    header = "\n".join(f"#SBATCH {d}" for d in directives)
+    header = "\n".join(f"#SBATCH {directive}" for directive in options.directives(run_dir))
     return f"""#!/bin/bash
 {header}
 # Written by `leantrain slurm`. One task per node runs torchrun (`leantrain launch`).
@@ -84,7 +129,7 @@ on_time_limit() {{
 }}
 trap on_time_limit USR1
 srun --kill-on-bad-exit=1 {python} -m leantrain launch \\
-    --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node {options.gpus_per_node} \\
+    --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node {options.processes_per_node} \\
     --rdzv-endpoint "$head_node:{options.port}" --rdzv-id "$SLURM_JOB_ID" \\
     fit {fit} &
 step_pid=$!
@@ -100,8 +145,10 @@ exit "$status"
 """
 
 
-def submit(script: str) -> str:
-    """Submit with sbatch; the job id."""
+def submit(script: str, run_dir: Path) -> str:
+    """Submit with sbatch; the job id. The run folder is made first: SLURM writes the job's output
+    file there, and does not make folders."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", suffix=".sbatch", delete=False) as handle:
         handle.write(script)
     try:

@@ -9,7 +9,9 @@ tensor is counted once however many views of it exist: a view is counted as its 
   (the masters' fp32 in the true modes, when the 16-bit gradients have been freed);
 * optimizer state: every tensor the optimizer keeps (after its first step);
 * activations: the tensors autograd saves for backward during one forward, parameters
-  excluded (autocast's 16-bit copies of weights are included: they are held too).
+  excluded (autocast's 16-bit copies of weights are included: they are held too);
+* ema: the moving average of the weights (``--ema-decay``), when kept: a copy of what the
+  optimizer updates, at least in fp32.
 """
 
 from __future__ import annotations
@@ -45,6 +47,19 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return tensor_bytes(
         v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    )
+
+
+def averaged_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the moving average of a parameter of ``dtype``: at least fp32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def average_bytes(optimizer_params: Iterable[torch.Tensor]) -> int:
+    """The bytes of a moving average of the parameters the optimizer updates (this process's shards)."""
+    return sum(
+        base_tensor(p).numel() * averaged_dtype(p.dtype).itemsize
+        for p in {id(p): p for p in optimizer_params}.values()
     )
 
 
@@ -99,18 +114,25 @@ class MemoryBreakdown:
     grads_bytes: int
     optimizer_bytes: int
     activation_bytes: int  # saved for backward by one micro-batch
+    ema_bytes: int = 0  # the moving average of the weights, when kept
 
     @property
     def total_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activation_bytes
+        return sum(asdict(self).values())
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
+    def parts(self) -> dict[str, int]:
+        """Bytes by kind ("params", "grads", ...), the average's only when one is kept."""
+        return {
+            name.removesuffix("_bytes"): value
+            for name, value in asdict(self).items()
+            if value or name != "ema_bytes"
+        }
+
     def describe(self) -> str:
-        parts = ", ".join(
-            f"{name.removesuffix('_bytes')} {format_bytes(value)}" for name, value in asdict(self).items()
-        )
+        parts = ", ".join(f"{name} {format_bytes(value)}" for name, value in self.parts().items())
         return f"memory: {parts}; total {format_bytes(self.total_bytes)}"
 
 
@@ -119,8 +141,10 @@ def breakdown(
     optimizer_params: Sequence[torch.Tensor],
     optimizer: torch.optim.Optimizer,
     activation_bytes: int,
+    averaged: bool = False,
 ) -> MemoryBreakdown:
-    """The breakdown of a model whose optimizer has stepped.
+    """The breakdown of a model whose optimizer has stepped (``averaged``: a moving average of
+    the weights is kept).
 
     Parameters the optimizer updates that are not the model's (the fp32 masters of the true
     16-bit modes) count as parameters too.
@@ -130,4 +154,5 @@ def breakdown(
         grads_bytes=gradient_bytes(optimizer_params),
         optimizer_bytes=optimizer_state_bytes(optimizer),
         activation_bytes=activation_bytes,
+        ema_bytes=average_bytes(optimizer_params) if averaged else 0,
     )

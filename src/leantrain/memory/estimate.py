@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ class EstimateRow:
             "grads_bytes": memory.grads_bytes,
             "optimizer_bytes": memory.optimizer_bytes,
             "activations_bytes": memory.activation_bytes,
+            "ema_bytes": memory.ema_bytes,
             "total_bytes": memory.total_bytes,
             "fits": self.fits,
         }
@@ -145,7 +146,9 @@ def measure(
         raise TaskError(
             f"plan runs the task's optimizer on the meta device, and it failed: {error}"
         ) from error
-    state = breakdown(model, optimizer_params, optimizer, activation_bytes=0)
+    state = breakdown(
+        model, optimizer_params, optimizer, activation_bytes=0, averaged=cfg.ema_decay is not None
+    )
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fake_copy_of_parameters(model, mode)
@@ -165,7 +168,7 @@ def measure(
             # one value per channel): such a size is left out, as long as another one trains.
             first_failure = first_failure or error
             continue
-        memory = MemoryBreakdown(state.params_bytes, state.grads_bytes, state.optimizer_bytes, saved.bytes)
+        memory = replace(state, activation_bytes=saved.bytes)
         rows.append(EstimateRow(size, checkpointing, memory, None))
     if not rows and first_failure is not None:
         raise first_failure

@@ -35,9 +35,15 @@ class Callback(Protocol):
     - ``stop_reason``: an attribute; a callback that sets it to a sentence during ``on_log``
       stops the run after that log point or validation, with a checkpoint (early stopping).
     - ``state_dict()`` / ``load_state_dict(state)``: what the callback must carry across a
-      resume, saved in every checkpoint under ``state_key`` (default: the class name).
+      resume, saved in every checkpoint under ``state_key`` (default: the class name). With
+      ``saved_with_model = True`` the state is split like the model's (tensors shaped like
+      the parameters each process holds): a sharded strategy saves and reads it with the model's
+      shards, by its keys, in place.
+    - ``evaluated_weights()``: a context manager each validation runs in (with the callbacks'
+      ``on_log`` of its metrics); the weight average swaps itself in there.
 
-    Trackers, early stopping and best checkpoints are built on these (``leantrain.extensions``).
+    Trackers, early stopping, best checkpoints and the weight average are built on these
+    (``leantrain.extensions``).
     """
 
     def on_step(self, stats: StepStats) -> None: ...

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import gc
 import signal
+import sys
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +25,13 @@ from leantrain.config import TrainConfig
 from leantrain.data.build import build_train_loader, build_val_loader, load_train_data
 from leantrain.data.loader import device_batches, stop_workers
 from leantrain.data.workers import cpus_per_process
-from leantrain.errors import NonFiniteLossError, RunInterrupted
+from leantrain.errors import CheckpointError, NonFiniteLossError, RunInterrupted
 from leantrain.files import atomic_write_json
 from leantrain.log.precision_health import PrecisionHealth
 from leantrain.log.run_logger import RunLogger
 from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, breakdown
 from leantrain.memory.adaptive import MicroBatchSizer
+from leantrain.run.background_save import BackgroundSaves
 from leantrain.run.builders import (
     build_model,
     build_optimization,
@@ -40,6 +43,7 @@ from leantrain.run.builders import (
 from leantrain.run.hooks import Callback, Instruments, StepStats, state_key
 from leantrain.run.results import FitResult
 from leantrain.run.state import RunState
+from leantrain.run.watchdog import Heartbeat, Watchdog
 from leantrain.run.watchers import built_in_callbacks
 from leantrain.runtime import (
     StopSignals,
@@ -54,6 +58,7 @@ from leantrain.step.batching import BatchSplit
 from leantrain.step.evaluation import evaluate
 from leantrain.step.losses import LossTracker
 from leantrain.strategies.base import Strategy
+from leantrain.strategies.process_group import group_store
 
 
 class Run(RunState):
@@ -100,7 +105,9 @@ class Run(RunState):
             "final_train_loss": float("nan"),
             "skipped_steps": 0,
             "nonfinite_steps": 0,
+            "checkpoint_blocked_seconds": 0.0,  # in earlier processes of the run
         }
+        self.saves = BackgroundSaves(cfg.async_checkpoint)
         self.dataset_size = self.data.size  # None for a stream without __len__
         self.steps_per_epoch, self.total_steps = schedule_length(cfg, self.data.size, self.split)
         self.checkpoints = CheckpointFolder(run_dir / "checkpoints", cfg.keep_checkpoints)
@@ -108,6 +115,9 @@ class Run(RunState):
         self.steps_done = 0  # the step training ended at: total_steps, or where it stopped early
         self.saved_rng: dict[str, Any] | None = None
         self.saved_callbacks: dict[str, Any] = {}
+        self.callbacks_in_shards: list[str] = []
+        self.resumed_shards: Path | None = None
+        self.resume_notes: list[str] = []
         self.callbacks: Sequence[Any] = ()
         self.resume_from(cfg.resume)
 
@@ -130,7 +140,12 @@ class Run(RunState):
             run_dir, self.total_steps, cfg.progress, tensorboard, self.start_step, enabled=env.is_main
         )
         self._log_setup(
-            parts.notes + self.strategy.notes + optimization.notes + self.sizer.notes + self.data.notes
+            parts.notes
+            + self.strategy.notes
+            + optimization.notes
+            + self.sizer.notes
+            + self.data.notes
+            + self.resume_notes
         )
         self.built_ins = built_in_callbacks(
             cfg,
@@ -140,8 +155,15 @@ class Run(RunState):
             checkpoints=self.checkpoints,
             write_weights=self.write_weights,
             warn=self.logger.warning,
+            model=self.model,
+            optimizer_params=self.optimizer_params,
+            precision=self.precision,
         )
         self.health = PrecisionHealth(self.progress, self.logger.warning)
+        self.heartbeat = Heartbeat()  # marked as the loop moves on; the watchdog reads it
+        self.watchdog = Watchdog(
+            cfg.hang_timeout, self.heartbeat, run_dir, env.rank, env.world_size, group_store(), _say_error
+        )
         self.batch_norms = batch_norm_layers(parts.model)
         self._warn_about_batch_norm()
 
@@ -194,7 +216,8 @@ class Run(RunState):
 
     def _device_batches(self) -> Iterator[Any]:
         loader = self.instruments.loader(self.train_loader)
-        return self.instruments.batches(device_batches(loader, self.device, self.precision.input_dtype))
+        batches = device_batches(loader, self.device, self.precision.input_dtype)
+        return self.heartbeat.counted(self.instruments.batches(batches))
 
     def stop_workers(self) -> None:
         """Stop the data workers now, not when the collector finds them (see ``stop_workers``)."""
@@ -202,6 +225,23 @@ class Run(RunState):
         stop_workers(self.val_loader)
 
     def train(self, callbacks: Sequence[Callback], signals: StopSignals) -> None:
+        with self.watchdog.watching():
+            try:
+                self._train(callbacks, signals)
+            except BaseException:
+                self._wait_for_saves_after_error()
+                raise
+            self.saves.wait()  # the final checkpoint is complete before fit returns
+
+    def _wait_for_saves_after_error(self) -> None:
+        """A save in flight completes (it is the newest state to resume from); its own failure is
+        a warning, so that the error that ended the run is the one raised."""
+        try:
+            self.saves.wait()
+        except Exception as error:
+            self.logger.warning(f"the checkpoint being written when the run ended failed too: {error}")
+
+    def _train(self, callbacks: Sequence[Callback], signals: StopSignals) -> None:
         callbacks = self._start_callbacks(callbacks)
         if (early := _stop_reason(callbacks)) is not None:  # a resume of a run that stopped early
             self.logger.message(f"{early}; the checkpoint is where it ended: nothing more to train")
@@ -209,7 +249,7 @@ class Run(RunState):
             return
         cfg, optimizer = self.cfg, self.optimizer
         task_loss = TaskLoss(self.task)
-        loss_fn = self.instruments.loss(self.sizer.enforce_budget(task_loss))
+        loss_fn = self.heartbeat.after(self.instruments.loss(self.sizer.enforce_budget(task_loss)))
         batches = self._device_batches()
         self.strategy.module.train()
         if self.saved_rng is not None:
@@ -257,9 +297,12 @@ class Run(RunState):
             if checkpoint_due or stop:
                 path = self.save_checkpoint(done) if cfg.saves_checkpoints else None
                 if stop:
+                    self.saves.wait()  # the message names a complete checkpoint
                     received = signals.received or signal.SIGTERM
                     raise RunInterrupted(received.name, int(received), done, path and str(path))
             step = done
+            self.heartbeat.step = step
+            self.heartbeat.beat()  # the step, and its checkpoint, are done
             if early is not None:
                 self.logger.message(early)
                 break
@@ -270,11 +313,26 @@ class Run(RunState):
     def _start_callbacks(self, user_callbacks: Sequence[Callback]) -> list[Any]:
         """The built-in callbacks, then the user's, with the state a resumed checkpoint saved for them."""
         callbacks = [*self.built_ins, *user_callbacks]
-        for callback in callbacks:
-            saved = self.saved_callbacks.get(state_key(callback))
-            if saved is not None and hasattr(callback, "load_state_dict"):
-                callback.load_state_dict(saved)
         self.callbacks = callbacks  # their state goes into every checkpoint
+        if not self.start_step:
+            return callbacks
+        for callback in (c for c in callbacks if hasattr(c, "load_state_dict")):
+            key = state_key(callback)
+            saved = self.saved_callbacks.get(key)
+            if saved is None:  # under a sharded strategy, each process reads its own part
+                saved = self.load_callback_shards(key, callback.state_dict())
+            if saved is None:
+                self.logger.warning(
+                    f"the checkpoint holds no state of callback {key}: it starts afresh at step "
+                    f"{self.start_step}"
+                )
+                continue
+            try:
+                callback.load_state_dict(saved)
+            except (KeyError, ValueError, TypeError) as error:
+                raise CheckpointError(
+                    f"the checkpoint's state of callback {key} does not load: {error}"
+                ) from None
         return callbacks
 
     def _validation_due(self, done: int) -> bool:
@@ -286,7 +344,8 @@ class Run(RunState):
 
     def _account_memory(self, activation_bytes: int) -> None:
         """Log what the memory is spent on, once, after the first step (the optimizer state exists)."""
-        self.memory = breakdown(self.model, self.optimizer_params, self.optimizer, activation_bytes)
+        averaged = self.cfg.ema_decay is not None
+        self.memory = breakdown(self.model, self.optimizer_params, self.optimizer, activation_bytes, averaged)
         self.logger.message(self.memory.describe())
 
     def _skipped(self, step: int, status: StepStatus) -> None:
@@ -307,6 +366,7 @@ class Run(RunState):
                 step=step + 1,
             )
         path = self.save_checkpoint(step)  # nothing was updated: the state after the step before
+        self.saves.wait()
         raise NonFiniteLossError(
             f"the training {what} is not finite at step {step + 1}; the last good state (after step "
             f"{step}) is saved in {path}; {remedy}, then continue with --resume auto",
@@ -354,15 +414,21 @@ class Run(RunState):
         """Validate, log the metrics and return the seconds it took."""
         assert self.val_loader is not None
         started = time.perf_counter()
-        batches = device_batches(self.val_loader, self.device, self.precision.input_dtype)
-        self.val_metrics = evaluate(self.strategy, self.task, batches, self.precision)
-        self.logger.log(done, self.val_metrics)
-        self.logger.message(
-            f"validation at step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.val_metrics.items())
+        batches = self.heartbeat.counted(
+            device_batches(self.val_loader, self.device, self.precision.input_dtype)
         )
-        for callback in callbacks:
-            if hasattr(callback, "on_log"):
-                callback.on_log(done, self.val_metrics)
+        with ExitStack() as weights:  # a callback may have other weights validated (--ema-validate)
+            for callback in (c for c in callbacks if hasattr(c, "evaluated_weights")):
+                weights.enter_context(callback.evaluated_weights())
+            self.val_metrics = evaluate(self.strategy, self.task, batches, self.precision)
+            self.logger.log(done, self.val_metrics)
+            self.logger.message(
+                f"validation at step {done}: "
+                + ", ".join(f"{k} {v:.4f}" for k, v in self.val_metrics.items())
+            )
+            for callback in callbacks:  # still on those weights: best.safetensors holds what scored
+                if hasattr(callback, "on_log"):
+                    callback.on_log(done, self.val_metrics)
         return time.perf_counter() - started
 
     def _stop_requested(self, signals: StopSignals, done: int, checkpoint_due: bool) -> bool:
@@ -408,6 +474,7 @@ class Run(RunState):
             skipped_steps=int(self.progress["skipped_steps"]),
             nonfinite_steps=int(self.progress["nonfinite_steps"]),
             stopped_early=self.steps_done < self.total_steps,  # the only way to end short of it
+            checkpoint_blocked_seconds=self.checkpoint_blocked_seconds(),
             **(self.memory.as_dict() if self.memory is not None else {}),
             val_metrics=dict(self.val_metrics),
             out_dir=self.run_dir,
@@ -416,6 +483,11 @@ class Run(RunState):
         if self.env.is_main:
             atomic_write_json(self.run_dir / "summary.json", result.summary())
         return result
+
+
+def _say_error(line: str) -> None:
+    """A one-line error on stderr, flushed: the watchdog ends the process right after it."""
+    print(f"leantrain: error: {line}", file=sys.stderr, flush=True)
 
 
 def _stop_reason(callbacks: Sequence[Any]) -> str | None:

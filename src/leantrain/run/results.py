@@ -31,10 +31,14 @@ class FitResult:
     skipped_steps: int = 0  # steps without an update: fp16 overflows and, with on_nan=skip, non-finite ones
     nonfinite_steps: int = 0  # of those, the steps whose loss or gradient was NaN/inf
     stopped_early: bool = False  # early stopping ended the run at `steps`, before the schedule's end
+    checkpoint_blocked_seconds: float = (
+        0.0  # training time lost to saving checkpoints (all processes of the run)
+    )
     params_bytes: int = 0  # parameters (and fp32 masters); see memory/accountant.py
     grads_bytes: int = 0
     optimizer_bytes: int = 0
     activation_bytes: int = 0  # saved for backward by one micro-batch, measured at the first step
+    ema_bytes: int = 0  # the moving average of the weights (--ema-decay), when kept
     val_metrics: dict[str, float] = field(default_factory=dict)
     out_dir: Path | None = None
     model: nn.Module | None = field(default=None, repr=False)

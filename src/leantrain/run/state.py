@@ -2,13 +2,14 @@
 
 Everything the next step depends on is taken at a step boundary: the weights and optimizer
 state (whole, or each process's shards for a sharded strategy), the scheduler, the precision's
-loss scale, every rank's random generators, the logged losses not yet read, and the progress
-counters. Resuming needs the same number of processes (the generators are per rank).
+loss scale, every rank's random generators and losses not yet logged, and the progress
+counters. A checkpoint resumes on another number of processes too (see ``world_change.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,16 @@ from leantrain.cluster import ClusterEnv
 from leantrain.config import TrainConfig
 from leantrain.errors import CheckpointError
 from leantrain.files import writing
+from leantrain.run.background_save import BackgroundSaves
 from leantrain.run.hooks import state_key
+from leantrain.run.world_change import change_note, losses_of_rank, rng_of_rank
 from leantrain.step.batching import BatchSplit
 from leantrain.step.losses import LossTracker
 from leantrain.step.precision import Precision
 from leantrain.strategies.base import Strategy
+from leantrain.strategies.sharded_state import load_dcp_extra, load_dcp_state
+
+CALLBACKS_IN_SHARDS = "callbacks"  # the shards' entry for callbacks saved with the model
 
 
 class RunState:
@@ -55,21 +61,41 @@ class RunState:
     start_step: int
     saved_rng: dict[str, Any] | None
     saved_callbacks: dict[str, Any]
+    callbacks_in_shards: list[str]  # callbacks whose state the resumed checkpoint's shards hold
+    resumed_shards: Path | None
+    resume_notes: list[str]
     callbacks: Sequence[Any]
+    saves: BackgroundSaves
 
     def _wall_seconds(self) -> float:
         raise NotImplementedError
 
     def save_checkpoint(self, done: int) -> Path:
-        """Everything the next step depends on, taken at this step boundary; rank 0 writes it."""
-        rng = self.strategy.gather(capture_rng())  # each rank's generators: they differ by rank
+        """Everything the next step depends on, taken at this step boundary; rank 0 writes it
+        (on a thread, with ``async_checkpoint``: ``saves.wait()`` waits for it)."""
+        with self.saves.blocking():
+            self.saves.settle()  # at most one save in flight: the previous one ends first
+            return self._save_checkpoint(done)
+
+    def _save_checkpoint(self, done: int) -> Path:
+        # Each rank's generators and unlogged losses: they differ by rank.
+        per_rank = self.strategy.gather({"rng": capture_rng(), "losses": self.tracker.state_dict()})
         path = self.checkpoints.folder / checkpoint_name(done)
-        shards = None
+        stateful = [callback for callback in self.callbacks if hasattr(callback, "state_dict")]
+        callbacks = {state_key(callback): callback.state_dict() for callback in stateful}
+        # A callback whose state is split like the model's (the weight average) is saved with it.
+        with_model = [state_key(c) for c in stateful if getattr(c, "saved_with_model", False)]
+        shards, written = None, None
         if self.strategy.sharded:  # every rank writes its shards first; the file below comes last
             shards = self.checkpoints.shard_folder(done)
+            in_shards = {key: callbacks.pop(key) for key in with_model}
+            extra = {CALLBACKS_IN_SHARDS: in_shards}
             with writing("checkpoint shards", shards):
-                self.strategy.save_sharded(shards, self.optimizer)
+                written = self.strategy.save_sharded(shards, self.optimizer, extra, self.saves.enabled)
+        shards_written = _shards_written(written, shards)
         if not self.env.is_main:
+            if written is not None:  # this rank's shards are written on DCP's thread
+                self.saves.submit(lambda _: shards_written(), None)  # errors surface at the next wait
             return path
         state = {
             "step": done,
@@ -79,14 +105,15 @@ class RunState:
             "tied": tied_aliases(self.model),  # `leantrain export` of shards: each gathered apart
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "precision": self.precision.state_dict(),
-            "rng": rng,
-            "losses": self.tracker.state_dict(),
-            "progress": {**self.progress, "wall_seconds": self._wall_seconds()},
-            "callbacks": {
-                state_key(callback): callback.state_dict()
-                for callback in self.callbacks
-                if hasattr(callback, "state_dict")
+            "rng": [rank["rng"] for rank in per_rank],
+            "losses": [rank["losses"] for rank in per_rank],
+            "progress": {
+                **self.progress,
+                "wall_seconds": self._wall_seconds(),
+                "checkpoint_blocked_seconds": self.checkpoint_blocked_seconds(),
             },
+            "callbacks": callbacks,
+            "callbacks_in_shards": with_model if shards else [],
             "config": self.cfg.to_dict(),
             "dataset_size": self.dataset_size,
             "micro_batch_size": self.split.micro_batch_size,
@@ -94,7 +121,25 @@ class RunState:
             "world_size": self.env.world_size,
             "leantrain_version": __version__,
         }
-        return self.checkpoints.save(done, state)
+
+        def write(staged: dict[str, Any]) -> None:
+            shards_written()  # the file comes last: it exists only once every rank's shards do
+            self.checkpoints.save(done, staged)
+
+        self.saves.submit(write, state)
+        return path
+
+    def checkpoint_blocked_seconds(self) -> float:
+        """Training time lost to saving, in this process and the earlier ones of the run."""
+        return self.progress["checkpoint_blocked_seconds"] + self.saves.blocked_seconds
+
+    def load_callback_shards(self, key: str, template: dict[str, Any]) -> dict[str, Any] | None:
+        """A callback's state from the resumed checkpoint's shards (``template``: its current state,
+        filled in place), or None when they hold none of it."""
+        if self.resumed_shards is None or key not in self.callbacks_in_shards:
+            return None
+        load_dcp_extra({CALLBACKS_IN_SHARDS: {key: template}}, self.resumed_shards)
+        return template
 
     def recovery(self) -> str:
         """After a write the storage refused: what of the run is safe, and how to go on."""
@@ -121,37 +166,48 @@ class RunState:
             path = Path(resume)
             state = load_checkpoint(path)
         check_compatible(state, path, self.cfg.to_dict(), self.dataset_size)
-        if bool(state.get("sharded")) != self.strategy.sharded:
-            saved_as = "in parts" if state.get("sharded") else "whole"
-            saved_as += f" (strategy {state['config'].get('strategy')})"
-            raise CheckpointError(
-                f"checkpoint {path} holds its model {saved_as}, unlike this run (strategy "
-                f"{self.strategy.name}); resume it with the strategy it was saved with"
-            )
-        if self.strategy.sharded:
-            self.strategy.load_sharded(path.parent / state["sharded"], self.optimizer, path)
-        else:
-            load_into(self.model, state["model"], "model", path)
-            load_into(self.optimizer, state["optimizer"], "optimizer", path)
+        self._load_model_and_optimizer(state, path)
         if (state["scheduler"] is None) != (self.scheduler is None):
             has = "has" if state["scheduler"] is not None else "has no"
             raise CheckpointError(f"checkpoint {path} {has} scheduler state, unlike this task")
         if self.scheduler is not None:
             load_into(self.scheduler, state["scheduler"], "scheduler", path)
         load_into(self.precision, state["precision"], "precision", path)
-        self.tracker.load_state_dict(state["losses"], self.device)
+        self.tracker.load_state_dict(losses_of_rank(state, self.env), self.device)
         self.progress.update(state["progress"])
         self.start_step = min(state["step"], self.total_steps)
-        self.saved_rng = _rng_of_rank(state, self.env, path)
+        self.saved_rng = rng_of_rank(state, self.env, self.cfg.seed)
+        self.resume_notes += [note] if (note := change_note(state, self.env)) else []
         self.saved_callbacks = state.get("callbacks", {})  # loaded into them when training starts
+        self.callbacks_in_shards = state.get("callbacks_in_shards", [])
+
+    def _load_model_and_optimizer(self, state: dict[str, Any], path: Path) -> None:
+        """Whole state into a whole model; shards into this process's shards (DCP reshards them
+        for another number of processes) or gathered into a whole model (fsdp -> ddp, one process)."""
+        if state.get("sharded"):
+            self.resumed_shards = path.parent / state["sharded"]
+            if self.strategy.sharded:
+                self.strategy.load_sharded(self.resumed_shards, self.optimizer, path)
+            else:
+                load_dcp_state(self.model, self.optimizer, self.resumed_shards, path)
+        elif self.strategy.sharded:
+            raise CheckpointError(
+                f"checkpoint {path} holds its model whole (strategy {state['config'].get('strategy')}), "
+                f"and strategy {self.strategy.name} resumes only from shards: resume it with a strategy "
+                "that holds the whole model (single, ddp)"
+            )
+        else:
+            load_into(self.model, state["model"], "model", path)
+            load_into(self.optimizer, state["optimizer"], "optimizer", path)
 
 
-def _rng_of_rank(state: dict[str, Any], env: ClusterEnv, path: Path) -> dict[str, Any]:
-    """This rank's saved generator states; exact resume needs the same world size."""
-    saved = state["rng"]
-    if len(saved) != env.world_size:
-        raise CheckpointError(
-            f"checkpoint {path} was saved by {len(saved)} process(es) but this run has {env.world_size}; "
-            "resume with the same number of processes"
-        )
-    return saved[env.rank]
+def _shards_written(future: Future[Any] | None, folder: Path | None) -> Callable[[], None]:
+    """A call that returns once this rank's shards of a background save are written (at once
+    for a save that wrote them already), raising a refused write as the synchronous save would."""
+
+    def wait() -> None:
+        if future is not None and folder is not None:
+            with writing("checkpoint shards", folder):
+                future.result()
+
+    return wait

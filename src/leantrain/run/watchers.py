@@ -1,10 +1,14 @@
-"""The built-in callbacks a config asks for: early stopping, best checkpoints, trackers."""
+"""The built-in callbacks a config asks for: the weight average, early stopping, best checkpoints,
+trackers."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import nn
 
 from leantrain.checkpoint import CheckpointFolder
 from leantrain.config import TrainConfig
@@ -13,6 +17,8 @@ from leantrain.extensions.best_checkpoints import BestCheckpoints
 from leantrain.extensions.early_stopping import EarlyStopping
 from leantrain.extensions.metric_watch import MetricWatch
 from leantrain.extensions.trackers import open_trackers
+from leantrain.extensions.weight_average import WeightAverage
+from leantrain.step.precision import Precision
 
 
 def built_in_callbacks(
@@ -24,13 +30,30 @@ def built_in_callbacks(
     checkpoints: CheckpointFolder,
     write_weights: Callable[[str], None],
     warn: Callable[[str], None],
+    model: nn.Module,
+    optimizer_params: list[torch.Tensor],
+    precision: Precision,
 ) -> list[Any]:
-    """Early stopping and best checkpoints on every process (they decide alike, from reduced
-    validation metrics, and saving is collective); trackers on rank 0 only."""
+    """The weight average, early stopping and best checkpoints on every process (they decide
+    alike, from reduced validation metrics, and saving is collective); trackers on rank 0 only.
+    ``optimizer_params`` line up with ``model``'s parameters (the masters of the true 16-bit modes
+    are made from them, in order)."""
     callbacks: list[Any] = []
-    for field, metric in (("early_stop_metric", cfg.early_stop_metric), ("best_metric", cfg.best_metric)):
-        if metric is not None and not validates:
-            raise ConfigError(field, metric, "needs validation data: the task has no val_data()")
+    needs_validation = (
+        ("early_stop_metric", cfg.early_stop_metric),
+        ("best_metric", cfg.best_metric),
+        ("ema_validate", cfg.ema_validate or None),
+    )
+    for field, value in needs_validation:
+        if value is not None and not validates:
+            raise ConfigError(field, value, "needs validation data: the task has no val_data()")
+    if cfg.ema_decay is not None:
+        names = [name for name, _ in model.named_parameters()]
+        callbacks.append(
+            WeightAverage(
+                cfg.ema_decay, names, optimizer_params, precision, write_weights, warn, cfg.ema_validate
+            )
+        )
     if cfg.early_stop_metric is not None:
         stalls = MetricWatch(
             cfg.early_stop_metric, cfg.early_stop_mode, "early_stop_metric", cfg.early_stop_min_delta

@@ -71,6 +71,11 @@ class Precision(Protocol):
         """The weights to export: the most exact copy of what was trained."""
         ...
 
+    def refresh_model(self) -> None:
+        """The optimizer's parameters were replaced in place (averaged weights swapped in for a
+        validation): make the model compute with them."""
+        ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -110,6 +115,9 @@ class Fp32:
 
     def trained_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
+
+    def refresh_model(self) -> None:
+        pass  # the optimizer's parameters are the model's
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -201,6 +209,9 @@ class MasterWeights(_ScaledLoss):
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         super().step(optimizer)
+        self.refresh_model()
+
+    def refresh_model(self) -> None:
         with torch.no_grad():
             torch._foreach_copy_(self.model_params, self.masters)  # rounds to 16-bit
 
@@ -222,7 +233,7 @@ class MasterWeights(_ScaledLoss):
         with torch.no_grad():
             for master, value in zip(self.masters, saved, strict=True):
                 master.copy_(value)
-            torch._foreach_copy_(self.model_params, self.masters)
+        self.refresh_model()
 
 
 def _clip(params: list[torch.Tensor], max_norm: float | None, grad_norm: GradNorm) -> torch.Tensor | None:

@@ -198,7 +198,9 @@ class Strategy:
 
     # -- checkpoints of strategies whose processes hold parts of the state -------------------
 
-    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+    def save_sharded(
+        self, folder: Path, optimizer: torch.optim.Optimizer, extra: dict[str, Any], background: bool = False
+    ) -> Any:
         raise NotImplementedError(f"strategy {self.name} saves whole checkpoints")
 
     def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
@@ -37,21 +38,29 @@ class Collectives(Strategy):
         return gathered
 
 
-def init_process_group(env: ClusterEnv, device: torch.device) -> bool:
-    """Join the process group of a multi-process run; True when this call created it."""
+def init_process_group(env: ClusterEnv, device: torch.device, timeout: timedelta | None = None) -> bool:
+    """Join the process group of a multi-process run; True when this call created it.
+    ``timeout``: its collectives' (None: torch's default)."""
     if not env.distributed or dist.is_initialized():
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
+    where: dict[str, Any] = {"rank": env.rank, "world_size": env.world_size, "timeout": timeout}
     store = _restart_safe_agent_store(env)
     if store is not None:
-        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size)
-        return True
-    # A bare SLURM task (no torchrun) starts its own store on rank 0.
-    init_method = "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
-    dist.init_process_group(
-        backend=backend, init_method=init_method, rank=env.rank, world_size=env.world_size
-    )
+        where["store"] = store
+    else:  # a bare SLURM task (no torchrun) starts its own store on rank 0
+        where["init_method"] = (
+            "env://" if env.source == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
+        )
+    dist.init_process_group(backend=backend, **where)
     return True
+
+
+def group_store() -> dist.Store | None:
+    """The store of this process's group (the ranks' shared key-value store), None without one."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_store()
 
 
 def _restart_safe_agent_store(env: ClusterEnv) -> dist.Store | None:

@@ -8,10 +8,13 @@ different processes do not collide, and a run resumes with each process reading 
 
 from __future__ import annotations
 
+import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from leantrain.checkpoint import check_shards
@@ -40,38 +43,69 @@ class ShardedState:
     adapts_micro_batch = False
     precisions = ("32", "bf16-mixed")
     precision_reason = "fp32 parameters computed in bf16 are what bf16-true would give"
+    _checkpoint_group: Any = None  # background saves' own process group, made at the first
 
     @property
     def state_module(self) -> nn.Module:
         return self.model  # type: ignore[attr-defined]
 
-    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
-        """Every rank writes its part of the model and optimizer state into ``folder``."""
+    def save_sharded(
+        self, folder: Path, optimizer: torch.optim.Optimizer, extra: dict[str, Any], background: bool = False
+    ) -> Future[Any] | None:
+        """Every rank writes its part of the model and optimizer state into ``folder``, and of
+        ``extra``: state split like the model's (the weight average), keyed by parameter name.
+
+        ``background``: DCP copies the parts to host memory here and writes them on a thread;
+        the returned future completes when every rank's parts are written. Its coordination runs
+        on a process group of its own, so that it never interleaves with training's collectives.
+        """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(self.state_module, optimizer, options=_options())
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
+        state = {**extra, "model": model_state, "optimizer": optimizer_state}
+        if not background:
+            dcp.save(state, checkpoint_id=str(folder))
+            return None
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")  # every rank saves: a collective
+        return dcp.async_save(state, checkpoint_id=str(folder), process_group=self._checkpoint_group)
 
     def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
         """Read the parts saved by ``save_sharded`` into the model and the optimizer."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        load_dcp_state(self.state_module, optimizer, folder, checkpoint)
 
-        check_shards(checkpoint, folder)
-        model_state, optimizer_state = get_state_dict(self.state_module, optimizer, options=_options())
-        state = {"model": model_state, "optimizer": optimizer_state}
-        try:
+
+def load_dcp_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, checkpoint: Path
+) -> None:
+    """The model and optimizer state that ``save_sharded`` wrote into ``folder``, read into
+    ``module``: each process's shards (resharded by DCP when there are more or fewer of them),
+    or, for a module that is whole (one process, ddp), gathered."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    check_shards(checkpoint, folder)
+    model_state, optimizer_state = get_state_dict(module, optimizer, options=_options())
+    state = {"model": model_state, "optimizer": optimizer_state}
+    load_dcp_extra(state, folder)
+    set_state_dict(
+        module,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=_options(),
+    )
+
+
+def load_dcp_extra(state: dict[str, Any], folder: Path) -> None:
+    """Fill ``state`` from the shards in ``folder`` (tensors in place, by key)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        with warnings.catch_warnings():
+            # One process reading shards (fsdp -> one process): expected, and the run's log says so.
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             dcp.load(state, checkpoint_id=str(folder))
-        except Exception as error:  # DCP raises its own CheckpointException and plain errors
-            reason = " ".join(str(error).split())[:300]
-            raise CheckpointError(
-                f"checkpoint {checkpoint}: cannot load its sharded state {folder}: {reason}"
-            ) from None
-        set_state_dict(
-            self.state_module,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=_options(),
-        )
+    except Exception as error:  # DCP raises its own CheckpointException and plain errors
+        reason = " ".join(str(error).split())[:300]
+        raise CheckpointError(f"cannot load the sharded checkpoint state {folder}: {reason}") from None

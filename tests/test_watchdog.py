@@ -1,0 +1,153 @@
+"""The hang watchdog: a run that makes no progress ends itself and says where it is stuck."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from leantrain.config import TrainConfig
+from leantrain.errors import ConfigError
+from leantrain.run import watchdog as watchdog_module
+from leantrain.run.watchdog import HANG_EXIT_CODE, Heartbeat, Watchdog, describe, process_group_timeout
+
+LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
+
+
+def stuck(seconds: float) -> None:
+    time.sleep(seconds)  # where the watchdog must find the training thread
+
+
+def watch(tmp_path: Path, work, timeout: float = 0.3) -> tuple[list[int], list[str]]:
+    """Run ``work`` under a watchdog whose exit only records the code; (exit codes, lines said)."""
+    codes: list[int] = []
+    said: list[str] = []
+    watchdog = Watchdog(timeout, Heartbeat(), tmp_path, 0, 1, None, said.append, exit=codes.append)
+    with watchdog.watching():
+        work(watchdog.heartbeat)
+    return codes, said
+
+
+def test_a_stalled_thread_is_reported_with_its_file_line_step_and_stacks(tmp_path):
+    def work(heartbeat: Heartbeat) -> None:
+        heartbeat.step = 6
+        stuck(1.5)
+
+    codes, said = watch(tmp_path, work)
+    line = inspect.getsourcelines(stuck)[1] + 1
+    assert codes == [HANG_EXIT_CODE]
+    assert said == [
+        f"no progress for {said[0].split()[3]} s at step 7: stuck at {__file__}:{line} in stuck; every "
+        f"rank's stacks are in {tmp_path / 'hang'}"
+    ]
+    stacks = (tmp_path / "hang" / "rank0.txt").read_text()
+    assert (
+        stacks.startswith("rank 0: no progress for") and f'File "{__file__}", line {line} in stuck' in stacks
+    )
+
+
+def test_progress_keeps_the_watchdog_quiet(tmp_path):
+    def work(heartbeat: Heartbeat) -> None:
+        for _ in heartbeat.counted(range(12)):  # 1.2 s in all, never 0.3 s without progress
+            time.sleep(0.1)
+        heartbeat.after(time.sleep)(0.1)
+
+    codes, said = watch(tmp_path, work)
+    assert (codes, said) == ([], [])
+    assert not (tmp_path / "hang").exists()
+
+
+def test_a_zero_timeout_starts_no_thread(tmp_path):
+    before = threading.active_count()
+    watchdog = Watchdog(0, Heartbeat(), tmp_path, 0, 1, None, print, exit=pytest.fail)
+    with watchdog.watching():
+        assert threading.active_count() == before
+    assert process_group_timeout(0) is None
+    assert process_group_timeout(30).total_seconds() > 30 + 60  # the watchdog speaks first
+
+
+class StoreOfTwo:
+    """The process group's store as the watchdog uses it (set, check, get), shared by two ranks."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.values for key in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.values[key].encode()
+
+
+def test_when_rank_0_cannot_report_the_next_rank_says_it(tmp_path, monkeypatch):
+    """Rank 0's Python is stuck (it never reports): rank 1 is the lowest rank that reported, so it
+    prints the line, naming rank 0 as the one that did not report."""
+    monkeypatch.setattr(watchdog_module, "_GATHER_SECONDS", (0.2, 0.2))
+    said: list[str] = []
+    heartbeat = Heartbeat()
+    heartbeat.last -= 10
+    rank_1 = Watchdog(1, heartbeat, tmp_path, 1, 2, StoreOfTwo(), said.append, exit=lambda code: None)
+    rank_1._report()
+    assert len(said) == 1 and "rank 0 did not report" in said[0]
+
+
+@pytest.mark.parametrize(
+    ("reports", "expected"),
+    [
+        (
+            {0: {"count": 9, "where": "a.py:1 in f"}, 1: {"count": 8, "where": "b.py:2 in g"}},
+            "rank 1 did not arrive; rank 1 at b.py:2 in g; rank 0 waits at a.py:1 in f",
+        ),
+        (
+            {0: {"count": 9, "where": "a.py:1 in f"}, 1: None},
+            "rank 1 did not report (its Python does not run: stuck in native code?); "
+            "rank 0 waits at a.py:1 in f",
+        ),
+        (
+            {0: {"count": 9, "where": "a.py:1 in f"}, 1: {"count": 9, "where": "b.py:2 in g"}},
+            "ranks 0, 1 all wait, none behind the others; rank 0 at a.py:1 in f; rank 1 at b.py:2 in g",
+        ),
+    ],
+    ids=["behind", "silent", "deadlock"],
+)
+def test_the_report_names_the_rank_behind_the_others(reports, expected):
+    assert describe(reports, 2) == expected
+
+
+def test_a_negative_timeout_is_a_one_line_error():
+    with pytest.raises(
+        ConfigError, match=r"hang_timeout=-1: must be 0 \(off\) or a positive number of seconds"
+    ):
+        TrainConfig(hang_timeout=-1)
+
+
+def test_a_hung_fit_ends_by_itself_with_exit_code_75(tmp_path):
+    """Through the CLI: the process really ends (the training thread never returns)."""
+    task = tmp_path / "hangs.py"
+    task.write_text(
+        "import time\nfrom tests.conftest import RegressionTask\n\n"
+        "class Hangs(RegressionTask):\n"
+        "    def loss(self, model, batch):\n"
+        "        time.sleep(3600)\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        [LEANTRAIN, "fit", "--task", "hangs:Hangs", "--hang-timeout", "1", "--out", str(tmp_path / "run"),
+         "--progress", "none", "--logger", "none"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}:{Path(__file__).parent.parent}"},
+    )  # fmt: skip
+    assert done.returncode == HANG_EXIT_CODE, done.stderr
+    assert time.monotonic() - started < 60
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("leantrain: error: no progress for ") and " s at step 1: stuck at " in last
+    assert last.endswith(f"hangs.py:6 in loss; every rank's stacks are in {tmp_path / 'run' / 'hang'}")
