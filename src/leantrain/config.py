@@ -32,6 +32,8 @@ LrScaling = Literal["none", "linear", "sqrt"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
 ProgressMode = Literal["auto", "rich", "plain", "none"]
 MetricMode = Literal["min", "max"]
+CompileScope = Literal["none", "model", "blocks"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 LOGGERS = ("tensorboard", "mlflow", "wandb")
 
 GROUPS = {
@@ -39,6 +41,7 @@ GROUPS = {
     "optimization": "Optimization",
     "precision": "Precision",
     "memory": "Memory",
+    "compile": "Compilation (torch.compile)",
     "data": "Data loading",
     "parallel": "Devices and parallelism",
     "reproducibility": "Reproducibility",
@@ -115,6 +118,19 @@ class TrainConfig:
         "device memory the run may use (24GiB, 16GB): on CUDA a cap on the allocator; on CPU enforced "
         "by counting saved activations (a simulated out-of-memory error); needed by micro_batch_size "
         "auto on CPU",
+    )
+    # compile
+    compile: CompileScope = _field(
+        "none",
+        "compile",
+        "torch.compile: none; model (the whole model at once); blocks (each repeated block on its own: "
+        "one compilation serves every block, so compile time does not grow with depth)",
+    )
+    compile_mode: CompileMode = _field(
+        "default",
+        "compile",
+        "torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune, "
+        "max-autotune-no-cudagraphs",
     )
     # data
     num_workers: int | WorkerChoice = _field(
@@ -289,6 +305,8 @@ class TrainConfig:
                 "auto",
                 "needs memory_budget, and a micro_batch_size that is not auto (one of the two adapts)",
             )
+        if self.compile_mode != "default" and self.compile == "none":
+            raise ConfigError("compile_mode", self.compile_mode, "needs compile model or blocks")
         if self.cache is not None and not self.cache.strip():
             raise ConfigError("cache", self.cache, "must be a folder path")
         if self.prefetch_factor is not None and self.num_workers == 0:
@@ -325,6 +343,11 @@ class TrainConfig:
                 self.early_stop_metric,
                 "needs val_every_n_steps: without it the run validates once, at the end",
             )
+
+    @property
+    def compile_options(self) -> dict[str, str]:
+        """``Module.compile``'s keyword arguments for ``compile_mode``."""
+        return {} if self.compile_mode == "default" else {"mode": self.compile_mode}
 
     @property
     def loggers(self) -> list[str]:

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from leantrain.diagnose import HostSync, Measurements, RetainedGraph, RunFacts, advise, loader_facts, verdict
 from leantrain.diagnose.timer import PHASES
 from leantrain.memory.accountant import MemoryBreakdown
+from leantrain.run.compilation import CompilerEvent
 from leantrain.strategies.registry import strategy_class
 
 
@@ -24,7 +25,33 @@ COMPUTE = phases(forward=40, backward=80, optimizer=5, other=1)
 def test_a_clean_compute_run_is_compute_bound_with_no_advice() -> None:
     m = Measurements(COMPUTE)
     assert verdict(RunFacts(), m) == "compute-bound"
-    assert advise(RunFacts(num_workers=0, auto_workers=2, available_cpus=2), m) == []
+    assert advise(RunFacts(num_workers=0, auto_workers=2, available_cpus=2), m) == []  # model unknown
+    assert advise(RunFacts(compile="blocks", repeated_blocks=True), m) == []
+
+
+@pytest.mark.parametrize(("blocks", "change"), [(True, "--compile blocks"), (False, "--compile model")])
+def test_an_eager_compute_bound_run_is_advised_to_compile(blocks: bool, change: str) -> None:
+    (advice,) = advise(RunFacts(repeated_blocks=blocks), Measurements(COMPUTE))
+    assert advice.change.startswith(change) and "compute-bound" in advice.evidence
+    assert advice.speedup > 1 and "benchmarks/results/compile.md" in advice.expected_gain
+    data_bound = phases(data=100, forward=40, backward=80)
+    assert not any(
+        "compile" in a.title for a in advise(RunFacts(repeated_blocks=blocks), Measurements(data_bound))
+    )
+
+
+def test_graph_breaks_and_repeated_recompilations_are_advised_by_place() -> None:
+    events = [
+        CompilerEvent("graph break", "model.py:12", "Unsupported Tensor.item() call"),
+        CompilerEvent("recompilation", "model.py:30", "tensor 'x' size mismatch at index 0", count=4),
+        CompilerEvent("recompilation", "model.py:40", "GLOBAL_STATE changed: grad_mode"),  # once: expected
+    ]
+    found = advise(RunFacts(compile="blocks"), Measurements(COMPUTE, compiler_events=events))
+    assert [a.title for a in found] == [
+        "torch.compile graph break at model.py:12",
+        "torch.compile recompiled 4 times at model.py:30",
+    ]
+    assert "Tensor.item()" in found[0].evidence
 
 
 def test_data_wait_is_data_bound_and_workers_come_first() -> None:

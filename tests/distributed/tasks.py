@@ -177,3 +177,38 @@ class SleepsOnRank1(RegressionTask):
         if os.environ.get("RANK") == "1" and self.calls > 4:  # micro-batches 1-4: steps 1 and 2
             time.sleep(3600)  # the line the watchdog must name
         return super().loss(model, batch)
+
+
+class Residual(torch.nn.Module):
+    """A repeated block of its own class (``--compile blocks`` and FSDP find it)."""
+
+    def __init__(self, width: int, read_back: bool) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+        self.read_back = read_back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + torch.tanh(self.linear(x))
+        if self.read_back and y.abs().max().item() > 1e6:  # a host read: torch.compile breaks its graph here
+            y = y / 2
+        return y
+
+
+class BlockRegression(RegressionTask):
+    """RegressionTask's float64 data through three ``Residual`` blocks (small to compile)."""
+
+    read_back = False
+
+    def model(self) -> torch.nn.Module:
+        blocks = [Residual(16, self.read_back) for _ in range(3)]
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), *blocks, torch.nn.Linear(16, 4)).to(self.dtype)
+
+
+def block_regression() -> BlockRegression:
+    return BlockRegression(loss_kind="sum")
+
+
+def block_regression_reading_back() -> BlockRegression:
+    task = BlockRegression(loss_kind="sum")
+    task.read_back = True
+    return task

@@ -20,6 +20,7 @@ from torch.utils.data import IterableDataset
 
 from leantrain.diagnose.syncs import HostSync, RetainedGraph
 from leantrain.memory.accountant import MemoryBreakdown
+from leantrain.run.compilation import CompilerEvent
 from leantrain.units import format_bytes
 
 # A verdict names a bottleneck that takes at least this share of the step.
@@ -32,6 +33,9 @@ MEMORY_PRESSURE = 0.9
 MICRO_BATCH_HEADROOM = 4
 # Measured in benchmarks/results/data.md: 1 main-process thread instead of 2 beside 2 busy workers.
 THREADS_MEASURED_GAIN = 1.24
+# Measured in benchmarks/results/compile.md: charlm on 2 CPU cores, --compile blocks against eager,
+# samples/s after warm-up.
+COMPILE_MEASURED_GAIN = 1.10
 
 VERDICTS = ("data-bound", "host-sync-bound", "compute-bound", "communication-bound", "memory-bound")
 
@@ -61,6 +65,10 @@ class RunFacts:
     memory_budget: int | None = None  # bytes: the flag, or a CUDA device's memory
     fast_16bit_ratio: float | None = None  # peak 16-bit / fp32 matmul rate, where much faster
     task_flags: str = "--task pkg.module:Task"  # the task on a command line
+    compile: str = "none"  # --compile
+    # Whether the model has repeated blocks (--compile blocks compiles them); None: the model is
+    # not known (a hand-written loop's facts), and no compile advice is given.
+    repeated_blocks: bool | None = None
 
 
 def loader_facts(loader: Any) -> dict[str, Any]:
@@ -86,6 +94,7 @@ class Measurements:
     retained_graphs: list[RetainedGraph] = field(default_factory=list)
     backward_calls: int = 0  # in the timed steps
     backwards_with_all_reduce: int = 0
+    compiler_events: list[CompilerEvent] = field(default_factory=list)  # --compile: breaks, recompiles
 
     @property
     def step(self) -> float:
@@ -449,9 +458,58 @@ def fp32_on_fast_16bit(facts: RunFacts, m: Measurements) -> list[Advice]:
     ]
 
 
+def compile_the_model(facts: RunFacts, m: Measurements) -> list[Advice]:
+    if facts.compile != "none" or facts.repeated_blocks is None or verdict(facts, m) != "compute-bound":
+        return []
+    scope = "blocks" if facts.repeated_blocks else "model"
+    how = "each repeated block compiled once, in place" if facts.repeated_blocks else "the whole model"
+    return [
+        Advice(
+            f"compile the {'repeated blocks' if facts.repeated_blocks else 'model'} with torch.compile",
+            f"the run is compute-bound and runs eagerly: forward and backward take "
+            f"{m.share('forward', 'backward'):.0%} of the step",
+            f"--compile {scope}  ({how}; the first steps pay the compile time, summary.json's "
+            "compile_seconds)",
+            f"measured {COMPILE_MEASURED_GAIN:.2f}x samples/s after warm-up with --compile blocks on "
+            "charlm, CPU (benchmarks/results/compile.md)",
+            tier=1,
+            speedup=COMPILE_MEASURED_GAIN,
+        )
+    ]
+
+
+def compiler_findings(facts: RunFacts, m: Measurements) -> list[Advice]:
+    """A graph break splits the compiled code; a place recompiled more than once keeps compiling."""
+    found = []
+    for event in m.compiler_events:
+        if event.kind == "graph break":
+            found.append(
+                Advice(
+                    f"torch.compile graph break at {event.where}",
+                    f"{event.reason}: the compiled graph ends there and the rest of the code runs in "
+                    "another graph or eagerly",
+                    "keep Python-side reads out of the compiled forward (.item(), printing a tensor, "
+                    "branching on its value); compute such values outside it",
+                    "the block compiles into one graph",
+                )
+            )
+        elif event.count > 1:
+            found.append(
+                Advice(
+                    f"torch.compile recompiled {event.count} times at {event.where}",
+                    f"the first reason: {event.reason}",
+                    "keep what the code branches on the same from step to step (fixed shapes, numbers "
+                    "passed as tensors)",
+                    "no compiling during training after the first steps",
+                )
+            )
+    return found
+
+
 RULES: tuple[Callable[[RunFacts, Measurements], list[Advice]], ...] = (
     retained_graphs,
     host_syncs,
+    compiler_findings,
     more_workers,
     threads_compete_with_workers,
     pin_memory_off,
@@ -462,5 +520,6 @@ RULES: tuple[Callable[[RunFacts, Measurements], list[Advice]], ...] = (
     cache_items,
     communication,
     fp32_on_fast_16bit,
+    compile_the_model,
     memory_limits,
 )

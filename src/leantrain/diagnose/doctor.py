@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
+from leantrain.blocks import block_classes
 from leantrain.cluster import detect
 from leantrain.config import TrainConfig
 from leantrain.data.cache import items_repeat
@@ -29,6 +30,7 @@ from leantrain.diagnose.flops import PeakFlops, at_least, compute_dtype, mfu, pe
 from leantrain.diagnose.probe import DEFAULT_STEPS, DEFAULT_WARMUP, TRACED_STEPS, Schedule, StepProbe
 from leantrain.diagnose.syncs import HostSync, RetainedGraph
 from leantrain.memory.accountant import MemoryBreakdown
+from leantrain.run.compilation import CompilerEvent
 from leantrain.runtime import resolve_device
 from leantrain.strategies.registry import strategy_class
 from leantrain.trainer import FitResult, Trainer
@@ -50,6 +52,7 @@ class Diagnosis:
     engine_host_syncs: list[HostSync]  # leantrain's own: one planned read per step, log points
     audited_steps: int
     retained_graphs: list[RetainedGraph]
+    compiler_events: list[CompilerEvent]  # --compile: graph breaks and recompilations, by place
     advice: list[Advice]
     facts: RunFacts
     schedule: Schedule
@@ -72,6 +75,7 @@ class Diagnosis:
             "host_syncs": [_sync_dict(s, steps) for s in self.host_syncs],
             "engine_host_syncs": [_sync_dict(s, steps) for s in self.engine_host_syncs],
             "retained_graphs": [dataclasses.asdict(g) for g in self.retained_graphs],
+            "compiler_events": [dataclasses.asdict(e) for e in self.compiler_events],
             "advice": [a.as_dict() for a in self.advice],
             "run": dataclasses.asdict(self.facts),
             "steps": dataclasses.asdict(self.schedule),
@@ -152,6 +156,7 @@ def diagnose_run(
         retained_graphs=probe.retained,
         backward_calls=probe.backward_calls,
         backwards_with_all_reduce=probe.backwards_with_all_reduce,
+        compiler_events=result.compiler_events,
     )
     facts = _facts(task, cfg, result, device, task_flags)
     return Diagnosis(
@@ -168,6 +173,7 @@ def diagnose_run(
         engine_host_syncs=probe.syncs.sites(engine=True),
         audited_steps=probe.audited_steps,
         retained_graphs=probe.retained,
+        compiler_events=result.compiler_events,
         advice=advise(facts, measurements),
         facts=facts,
         schedule=probe.schedule,
@@ -207,6 +213,8 @@ def _facts(task: Any, cfg: TrainConfig, result: FitResult, device: torch.device,
         memory_budget=budget,
         fast_16bit_ratio=fast_16bit,
         task_flags=task_flags,
+        compile=cfg.compile,
+        repeated_blocks=result.model is not None and bool(block_classes(result.model)),
     )
 
 

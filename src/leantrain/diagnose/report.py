@@ -113,6 +113,18 @@ def _print_findings(d: Diagnosis, console: Console) -> None:
         console.print(table)
     else:
         console.print("retained graphs: none")
+    if d.facts.compile != "none":
+        table = Table(title=f"torch.compile (--compile {d.facts.compile}): graph breaks and recompilations")
+        for column in ("kind", "where", "times", "reason"):
+            table.add_column(column)
+        for event in d.compiler_events:
+            table.add_row(event.kind, _short_where(event.where), str(event.count), event.reason)
+        console.print(table if d.compiler_events else "torch.compile: no graph breaks, no recompilations")
+
+
+def _short_where(where: str) -> str:
+    path, _, line = where.rpartition(":")
+    return f"{short_path(path)}:{line}" if path else where
 
 
 # -- HTML ---------------------------------------------------------------------------
@@ -224,6 +236,12 @@ def render_html(d: Diagnosis) -> str:
     graphs = _rows(
         [[f"{short_path(g.file)}:{g.line}", str(g.tensors), format_bytes(g.bytes)] for g in d.retained_graphs]
     )
+    compiler = _rows([[e.kind, _short_where(e.where), str(e.count), e.reason] for e in d.compiler_events], 2)
+    compiled = (
+        "" if d.facts.compile == "none"
+        else f"<h2>torch.compile: graph breaks and recompilations</h2>\n"
+        f"{_table(['kind', 'where', 'times', 'reason'], compiler)}"
+    )  # fmt: skip
     advice = "".join(
         f"<li><b>{html.escape(a.title)}</b><br>evidence: {html.escape(a.evidence)}<br>"
         f"change: <code>{html.escape(a.change)}</code><br>expected: {html.escape(a.expected_gain)}</li>"
@@ -248,6 +266,7 @@ def render_html(d: Diagnosis) -> str:
 {_table(["call", "where", "per step"], syncs)}
 <h2>Retained graphs</h2>
 {_table(["created at", "tensors", "bytes"], graphs)}
+{compiled}
 </body></html>
 """
 

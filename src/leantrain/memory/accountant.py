@@ -75,6 +75,10 @@ class SavedActivations:
     ``saved.bytes``. The tensors are only referenced while the block runs. With ``limit``,
     saving more than ``limit`` bytes raises ``torch.OutOfMemoryError`` (a simulated one:
     how a CPU run enforces a memory budget, see ``adaptive.py``).
+
+    The block runs eagerly (``--compile``'s modules too): torch.compile cannot trace the counting
+    hooks, and what it would save differs little (its partitioner may recompute a few cheap
+    values instead of saving them, so the eager count is the upper one).
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = (), limit: int | None = None) -> None:
@@ -98,6 +102,8 @@ class SavedActivations:
 
     def __enter__(self) -> SavedActivations:
         self._seen, self.bytes = {}, 0
+        self._eager = torch.compiler.set_stance("force_eager")
+        self._eager.__enter__()
         self._hooks.__enter__()
         return self
 
@@ -105,6 +111,7 @@ class SavedActivations:
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._hooks.__exit__(kind, error, tb)
+        self._eager.__exit__(kind, error, tb)
         self._seen = {}
 
 

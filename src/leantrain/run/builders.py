@@ -1,7 +1,8 @@
 """The pieces of a run, each built by one function from the config, in the order ``Run`` calls them.
 
 1. ``build_model``: the task's model, its precision (true 16-bit converts it; the optimizer
-   then gets fp32 masters) and activation checkpointing (``auto`` resolved here);
+   then gets fp32 masters), activation checkpointing (``auto`` resolved here), then
+   ``--compile`` (``run/compilation.py``);
 2. the training data (``data.build.load_train_data``), then ``example_of``: the task's loss and
    a first micro-batch, for a strategy that traces the model;
 3. ``build_strategy``: the strategy wraps or cuts the model as it will run;
@@ -29,6 +30,7 @@ from leantrain.errors import LeantrainWarning, TaskError
 from leantrain.memory.adaptive import scale_learning_rates
 from leantrain.memory.estimate import fewest_checkpointed_blocks, first_items
 from leantrain.memory.recompute import apply_activation_checkpointing, cache_note
+from leantrain.run.compilation import compile_model
 from leantrain.run.hooks import Instruments
 from leantrain.step.batching import BatchSplit
 from leantrain.step.precision import Precision, make_precision
@@ -55,7 +57,7 @@ def build_model(
     world_size: int,
     instruments: Instruments,
 ) -> ModelParts:
-    """Precision first (before any wrapper), then activation checkpointing."""
+    """Precision first (before any wrapper), then activation checkpointing, then compiling."""
     model = _task_model(task).to(strategy.build_device(device))
     precision = instruments.precision(make_precision(cfg.precision, device))
     prepared = precision.prepare(model)
@@ -68,6 +70,10 @@ def build_model(
     recomputed = [] if policy is None else apply_activation_checkpointing(model, BlockPolicy.parse(policy))
     if recomputed and (note := cache_note(model)):
         notes.append(note)
+    compiled = compile_model(model, cfg.compile, cfg.compile_options, policy)
+    if compiled:
+        shown = ", ".join(compiled[:3]) + (", ..." if len(compiled) > 3 else "")
+        notes.append(f"compile {cfg.compile} (mode {cfg.compile_mode}): {len(compiled)} module(s) ({shown})")
     return ModelParts(model, precision, prepared, policy, recomputed, notes)
 
 

@@ -40,6 +40,7 @@ from leantrain.run.builders import (
     pin_memory,
     schedule_length,
 )
+from leantrain.run.compilation import CompileWatch
 from leantrain.run.hooks import Callback, Instruments, StepStats, state_key
 from leantrain.run.results import FitResult
 from leantrain.run.state import RunState
@@ -106,6 +107,7 @@ class Run(RunState):
             "skipped_steps": 0,
             "nonfinite_steps": 0,
             "checkpoint_blocked_seconds": 0.0,  # in earlier processes of the run
+            "compile_seconds": 0.0,  # in earlier processes of the run
         }
         self.saves = BackgroundSaves(cfg.async_checkpoint)
         self.dataset_size = self.data.size  # None for a stream without __len__
@@ -161,9 +163,12 @@ class Run(RunState):
         )
         self.health = PrecisionHealth(self.progress, self.logger.warning)
         self.heartbeat = Heartbeat()  # marked as the loop moves on; the watchdog reads it
+        self.compiler = CompileWatch(cfg.compile != "none", lambda event: self.logger.message(event.line()))
+        self.compile_seconds_counted = 0.0  # of compiler.seconds, those already taken out of a window
         self.watchdog = Watchdog(
-            cfg.hang_timeout, self.heartbeat, run_dir, env.rank, env.world_size, group_store(), _say_error
-        )
+            cfg.hang_timeout, self.heartbeat, run_dir, env.rank, env.world_size, group_store(), _say_error,
+            paused=lambda: self.compiler.compiling,
+        )  # fmt: skip
         self.batch_norms = batch_norm_layers(parts.model)
         self._warn_about_batch_norm()
 
@@ -225,7 +230,7 @@ class Run(RunState):
         stop_workers(self.val_loader)
 
     def train(self, callbacks: Sequence[Callback], signals: StopSignals) -> None:
-        with self.watchdog.watching():
+        with self.watchdog.watching(), self.compiler.watching():
             try:
                 self._train(callbacks, signals)
             except BaseException:
@@ -384,7 +389,9 @@ class Run(RunState):
     ) -> None:
         """Read the device-side metrics (the host sync of this window) and write them out."""
         window = self.tracker.read(self.strategy.all_reduce_sum if self.env.distributed else None)
-        seconds = max(time.perf_counter() - window_started, 1e-9)
+        compiling = self.compiler.seconds - self.compile_seconds_counted  # not training: left out
+        self.compile_seconds_counted = self.compiler.seconds
+        seconds = max(time.perf_counter() - window_started - compiling, 1e-9)
         self.progress["train_seconds"] += seconds
         # No window: every step since the last log point was dropped for a non-finite loss.
         train_loss = float("nan") if window is None else window.mean_loss
@@ -429,6 +436,7 @@ class Run(RunState):
             for callback in callbacks:  # still on those weights: best.safetensors holds what scored
                 if hasattr(callback, "on_log"):
                     callback.on_log(done, self.val_metrics)
+        self.compile_seconds_counted = self.compiler.seconds  # compiled for evaluation: left out already
         return time.perf_counter() - started
 
     def _stop_requested(self, signals: StopSignals, done: int, checkpoint_due: bool) -> bool:
@@ -475,6 +483,8 @@ class Run(RunState):
             nonfinite_steps=int(self.progress["nonfinite_steps"]),
             stopped_early=self.steps_done < self.total_steps,  # the only way to end short of it
             checkpoint_blocked_seconds=self.checkpoint_blocked_seconds(),
+            compile_seconds=self.compile_seconds(),
+            compiler_events=self.compiler.events,
             **(self.memory.as_dict() if self.memory is not None else {}),
             val_metrics=dict(self.val_metrics),
             out_dir=self.run_dir,

@@ -8,6 +8,8 @@ from typing import Any
 
 from torch import nn
 
+from leantrain.run.compilation import CompilerEvent
+
 
 @dataclass
 class FitResult:
@@ -34,12 +36,14 @@ class FitResult:
     checkpoint_blocked_seconds: float = (
         0.0  # training time lost to saving checkpoints (all processes of the run)
     )
+    compile_seconds: float = 0.0  # torch.compile's time (--compile); samples_per_second leaves it out
     params_bytes: int = 0  # parameters (and fp32 masters); see memory/accountant.py
     grads_bytes: int = 0
     optimizer_bytes: int = 0
     activation_bytes: int = 0  # saved for backward by one micro-batch, measured at the first step
     ema_bytes: int = 0  # the moving average of the weights (--ema-decay), when kept
     val_metrics: dict[str, float] = field(default_factory=dict)
+    compiler_events: list[CompilerEvent] = field(default_factory=list)  # recompilations, graph breaks
     out_dir: Path | None = None
     model: nn.Module | None = field(default=None, repr=False)
 
@@ -48,6 +52,6 @@ class FitResult:
         data = {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("val_metrics", "out_dir", "model")
+            if f.name not in ("val_metrics", "compiler_events", "out_dir", "model")
         }
         return {**data, **self.val_metrics, "out_dir": str(self.out_dir)}

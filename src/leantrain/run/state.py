@@ -111,6 +111,7 @@ class RunState:
                 **self.progress,
                 "wall_seconds": self._wall_seconds(),
                 "checkpoint_blocked_seconds": self.checkpoint_blocked_seconds(),
+                "compile_seconds": self.compile_seconds(),
             },
             "callbacks": callbacks,
             "callbacks_in_shards": with_model if shards else [],
@@ -132,6 +133,10 @@ class RunState:
     def checkpoint_blocked_seconds(self) -> float:
         """Training time lost to saving, in this process and the earlier ones of the run."""
         return self.progress["checkpoint_blocked_seconds"] + self.saves.blocked_seconds
+
+    def compile_seconds(self) -> float:
+        """Time torch spent compiling (``--compile``), in this process and the earlier ones of the run."""
+        return self.progress["compile_seconds"] + self.compiler.seconds
 
     def load_callback_shards(self, key: str, template: dict[str, Any]) -> dict[str, Any] | None:
         """A callback's state from the resumed checkpoint's shards (``template``: its current state,

@@ -92,6 +92,7 @@ class Watchdog:
         store: Any | None,
         say: Callable[[str], None],
         exit: Callable[[int], None] = os._exit,
+        paused: Callable[[], bool] = lambda: False,
     ) -> None:
         self.timeout = timeout
         self.heartbeat = heartbeat
@@ -100,6 +101,7 @@ class Watchdog:
         self.store = store  # the process group's; None on one process
         self.say = say
         self.exit = exit
+        self.paused = paused  # true while torch compiles (--compile): that is progress too
         self._stopped = threading.Event()
         self._watched = 0  # the training thread's id
 
@@ -121,7 +123,9 @@ class Watchdog:
     def _watch(self) -> None:
         poll = min(5.0, max(self.timeout / 5, 0.05))
         while not self._stopped.wait(poll):
-            if time.monotonic() - self.heartbeat.last > self.timeout:
+            if self.paused():
+                self.heartbeat.last = time.monotonic()
+            elif time.monotonic() - self.heartbeat.last > self.timeout:
                 self._report()
                 self.exit(HANG_EXIT_CODE)
                 return

@@ -95,6 +95,11 @@ class Pipeline(ShardedState, Collectives):
                 )
             pipe = traced_pipe(model, self.dims.pp, model_inputs(example.loss_fn, example.batch()))
             self.stage = pipe.build_stage(self.stage_index, self.device, group=self.pp_group)
+            if self.cfg.compile != "none":
+                # Tracing ran the blocks' code, not their compiled form: the stage is a new module,
+                # compiled here as one (its blocks are no longer modules of their own class).
+                self.stage.submod.compile(**self.cfg.compile_options)
+                self.notes.append(f"compile {self.cfg.compile}: this traced stage compiled as one module")
         # This process keeps its stage only: a traced stage is a new module, and the whole
         # model, dropped by the caller, frees the other stages.
         self.model = self.module = self.stage.submod

@@ -1,0 +1,124 @@
+"""``--compile``: compiled runs train as eager ones do, and what the compiler does is reported.
+
+Each compiled run compiles afresh (``torch._dynamo.reset()``): a cache left by another test
+could otherwise serve it, or its recompilation limit fall back to eager without a word. The
+model is small (three residual blocks, float64) to keep compile time to seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from leantrain.config import TrainConfig
+from leantrain.diagnose.doctor import run_doctor
+from leantrain.diagnose.report import render_html
+from leantrain.errors import ConfigError
+from leantrain.run.compilation import CompileWatch, compile_model
+from tests.distributed.conftest import fit_here
+from tests.distributed.tasks import Residual, block_regression_reading_back
+
+FIT = ["fit", "--task", "tests.distributed.tasks:block_regression", "--global-batch-size", "16",
+       "--micro-batch-size", "8", "--max-steps", "5", "--progress", "plain", "--logger", "none",
+       "--checkpoint-every", "never"]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiler():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def trained(out: Path, *flags: str) -> tuple[dict, dict]:
+    fit_here(*FIT, *flags, "--out", str(out))
+    return load_file(out / "model.safetensors"), json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--compile", "blocks"],
+        ["--compile", "model"],
+        ["--compile", "blocks", "--activation-checkpointing", "Residual"],
+    ],
+    ids=["blocks", "model", "blocks-recomputed"],
+)  # fmt: skip
+def test_a_compiled_run_trains_as_the_eager_one(tmp_path, flags):
+    eager, _ = trained(tmp_path / "eager")
+    compiled, summary = trained(tmp_path / "compiled", *flags)
+    assert max(float((compiled[k] - eager[k]).abs().max()) for k in eager) <= 1e-9
+    assert summary["compile_seconds"] > 0  # it did compile
+    # samples_per_second leaves the compiling out: the training time it implies is shorter than
+    # the run's wall time less the compiling.
+    train_seconds = summary["samples"] / summary["samples_per_second"]
+    assert train_seconds < summary["wall_seconds"] - summary["compile_seconds"]
+
+
+def test_an_eager_checkpoint_resumes_compiled(tmp_path):
+    """The compiled modules keep their names: the checkpoint of an eager run loads into a compiled one."""
+    whole, _ = trained(tmp_path / "whole", "--max-steps", "6")
+    trained(tmp_path / "split", "--max-steps", "3", "--checkpoint-every", "3")
+    resumed, summary = trained(tmp_path / "split", "--max-steps", "6", "--checkpoint-every", "3", "--resume",
+                               "auto", "--compile", "blocks")  # fmt: skip
+    assert max(float((resumed[k] - whole[k]).abs().max()) for k in whole) <= 1e-9
+    assert summary["compile_seconds"] > 0
+
+
+def test_compile_options_are_checked_before_the_run():
+    with pytest.raises(ConfigError, match="compile_mode"):
+        TrainConfig(compile_mode="max-autotune")
+    with pytest.raises(ConfigError, match="compile"):
+        TrainConfig(compile="everything")
+    flat = nn.Sequential(nn.Linear(4, 4), nn.Tanh())  # no class twice: no repeated blocks
+    with pytest.raises(ConfigError, match=r"compile='blocks'.*--compile model"):
+        compile_model(flat, "blocks", {}, None)
+
+
+def test_blocks_are_compiled_in_place_and_keep_their_names():
+    model = nn.Sequential(nn.Linear(6, 16), Residual(16, False), Residual(16, False), nn.Linear(16, 4))
+    keys = list(model.state_dict())
+    assert compile_model(model, "blocks", {}, None) == ["1", "2"]
+    assert list(model.state_dict()) == keys  # checkpoints load into an eager model alike
+    assert isinstance(model[1], Residual) and model[1]._compiled_call_impl is not None
+    assert model[0]._compiled_call_impl is None
+
+
+def test_each_place_the_compiler_recompiles_or_breaks_is_reported_once():
+    block = Residual(8, read_back=True).double()
+    block.compile()
+    reported = []
+    watch = CompileWatch(True, reported.append)
+    with watch.watching():
+        for rows in (4, 4, 3, 5, 2):  # new shapes: recompilations of the same code
+            block(torch.randn(rows, 8, dtype=torch.float64)).sum().backward()
+    assert watch.seconds > 0
+    kinds = [(event.kind, event.where) for event in reported]
+    assert len(kinds) == len(set(kinds))  # once per kind and place ...
+    counted = {(event.kind, event.where): event.count for event in watch.events}
+    assert max(counted.values()) > 1  # ... however often it happened there
+    breaks = [event for event in reported if event.kind == "graph break"]
+    assert breaks and breaks[0].where.endswith(f"tasks.py:{_line_of('.item() > 1e6')}")
+    assert "item()" in breaks[0].reason
+
+
+def test_the_doctor_reports_a_graph_break_by_file_and_line(tmp_path):
+    cfg = TrainConfig(
+        global_batch_size=16, micro_batch_size=8, compile="blocks", device="cpu", progress="none"
+    )
+    diagnosis = run_doctor(block_regression_reading_back(), cfg, steps=3, warmup=2)
+    where = f"tasks.py:{_line_of('.item() > 1e6')}"
+    assert any(e.kind == "graph break" and e.where.endswith(where) for e in diagnosis.compiler_events)
+    assert any(where in advice.title for advice in diagnosis.advice)
+    assert diagnosis.as_dict()["compiler_events"]
+    assert where in render_html(diagnosis)
+
+
+def _line_of(text: str) -> int:
+    source = (Path(__file__).parent / "distributed" / "tasks.py").read_text().splitlines()
+    return next(number for number, line in enumerate(source, 1) if text in line)
