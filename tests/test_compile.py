@@ -19,7 +19,7 @@ from leantrain.config import TrainConfig
 from leantrain.diagnose.doctor import run_doctor
 from leantrain.diagnose.report import render_html
 from leantrain.errors import ConfigError
-from leantrain.run.compilation import CompileWatch, compile_model
+from leantrain.step.compilation import CompileWatch, compile_model
 from tests.distributed.conftest import fit_here
 from tests.distributed.tasks import Residual, block_regression_reading_back
 

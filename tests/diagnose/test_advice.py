@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from leantrain.diagnose import HostSync, Measurements, RetainedGraph, RunFacts, advise, loader_facts, verdict
 from leantrain.diagnose.timer import PHASES
 from leantrain.memory.accountant import MemoryBreakdown
-from leantrain.run.compilation import CompilerEvent
+from leantrain.step.compilation import CompilerEvent
 from leantrain.strategies.registry import strategy_class
 
 

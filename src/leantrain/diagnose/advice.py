@@ -20,7 +20,7 @@ from torch.utils.data import IterableDataset
 
 from leantrain.diagnose.syncs import HostSync, RetainedGraph
 from leantrain.memory.accountant import MemoryBreakdown
-from leantrain.run.compilation import CompilerEvent
+from leantrain.step.compilation import CompilerEvent
 from leantrain.units import format_bytes
 
 # A verdict names a bottleneck that takes at least this share of the step.

@@ -30,8 +30,8 @@ from leantrain.diagnose.flops import PeakFlops, at_least, compute_dtype, mfu, pe
 from leantrain.diagnose.probe import DEFAULT_STEPS, DEFAULT_WARMUP, TRACED_STEPS, Schedule, StepProbe
 from leantrain.diagnose.syncs import HostSync, RetainedGraph
 from leantrain.memory.accountant import MemoryBreakdown
-from leantrain.run.compilation import CompilerEvent
 from leantrain.runtime import resolve_device
+from leantrain.step.compilation import CompilerEvent
 from leantrain.strategies.registry import strategy_class
 from leantrain.trainer import FitResult, Trainer
 from leantrain.units import parse_bytes

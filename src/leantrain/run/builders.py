@@ -2,7 +2,7 @@
 
 1. ``build_model``: the task's model, its precision (true 16-bit converts it; the optimizer
    then gets fp32 masters), activation checkpointing (``auto`` resolved here), then
-   ``--compile`` (``run/compilation.py``);
+   ``--compile`` (``step/compilation.py``);
 2. the training data (``data.build.load_train_data``), then ``example_of``: the task's loss and
    a first micro-batch, for a strategy that traces the model;
 3. ``build_strategy``: the strategy wraps or cuts the model as it will run;
@@ -30,9 +30,9 @@ from leantrain.errors import LeantrainWarning, TaskError
 from leantrain.memory.adaptive import scale_learning_rates
 from leantrain.memory.estimate import fewest_checkpointed_blocks, first_items
 from leantrain.memory.recompute import apply_activation_checkpointing, cache_note
-from leantrain.run.compilation import compile_model
 from leantrain.run.hooks import Instruments
 from leantrain.step.batching import BatchSplit
+from leantrain.step.compilation import compile_model
 from leantrain.step.precision import Precision, make_precision
 from leantrain.strategies.base import Example, Strategy
 from leantrain.strategies.dims import ParallelDims

@@ -40,7 +40,6 @@ from leantrain.run.builders import (
     pin_memory,
     schedule_length,
 )
-from leantrain.run.compilation import CompileWatch
 from leantrain.run.hooks import Callback, Instruments, StepStats, state_key
 from leantrain.run.results import FitResult
 from leantrain.run.state import RunState
@@ -56,6 +55,7 @@ from leantrain.runtime import (
 from leantrain.step.accumulator import Accumulator, StepOutcome, StepStatus, TaskLoss
 from leantrain.step.batch_norm import batch_norm_layers, split_statistics_warning
 from leantrain.step.batching import BatchSplit
+from leantrain.step.compilation import CompileWatch
 from leantrain.step.evaluation import evaluate
 from leantrain.step.losses import LossTracker
 from leantrain.strategies.base import Strategy

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from leantrain.run.compilation import CompilerEvent
+from leantrain.step.compilation import CompilerEvent
 
 
 @dataclass
