@@ -168,12 +168,21 @@ def _doctor_parser() -> ArgumentParser:
     doctor.add_argument(
         "--trace", default=None, help=f"also write a torch.profiler trace of {TRACED_STEPS} steps into DIR"
     )
+    doctor.add_argument(
+        "--try-compile",
+        type=bool,
+        nargs="?",
+        const=True,
+        default=True,
+        help="a compute-bound eager run in one process is measured again with --compile; advised if faster",
+    )
     return parser
 
 
 def run_doctor_command(values: dict[str, Any], console: Console) -> Diagnosis:
     steps, warmup = values.pop("steps"), values.pop("warmup_steps")
     report, as_json, trace = values.pop("report"), values.pop("json"), values.pop("trace")
+    try_compile = values.pop("try_compile")
     if steps < 1:
         raise ConfigError("steps", steps, "must be a positive integer")
     if warmup < 1:
@@ -186,7 +195,7 @@ def run_doctor_command(values: dict[str, Any], console: Console) -> Diagnosis:
     from leantrain.diagnose.doctor import run_doctor
     from leantrain.diagnose.report import print_report, write_html
 
-    diagnosis = run_doctor(task, cfg, steps, warmup, trace, name, task_flags)
+    diagnosis = run_doctor(task, cfg, steps, warmup, trace, name, task_flags, try_compile)
     if not detect().is_main:
         return diagnosis
     if as_json:

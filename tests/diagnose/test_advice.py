@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from leantrain.diagnose import HostSync, Measurements, RetainedGraph, RunFacts, advise, loader_facts, verdict
+from leantrain.diagnose.advice import CompileTrial
 from leantrain.diagnose.timer import PHASES
 from leantrain.memory.accountant import MemoryBreakdown
 from leantrain.step.compilation import CompilerEvent
@@ -29,15 +30,22 @@ def test_a_clean_compute_run_is_compute_bound_with_no_advice() -> None:
     assert advise(RunFacts(compile="blocks", repeated_blocks=True), m) == []
 
 
-@pytest.mark.parametrize(("blocks", "change"), [(True, "--compile blocks"), (False, "--compile model")])
-def test_an_eager_compute_bound_run_is_advised_to_compile(blocks: bool, change: str) -> None:
-    (advice,) = advise(RunFacts(repeated_blocks=blocks), Measurements(COMPUTE))
-    assert advice.change.startswith(change) and "compute-bound" in advice.evidence
-    assert advice.speedup > 1 and "benchmarks/results/compile.md" in advice.expected_gain
-    data_bound = phases(data=100, forward=40, backward=80)
-    assert not any(
-        "compile" in a.title for a in advise(RunFacts(repeated_blocks=blocks), Measurements(data_bound))
+def test_compiling_is_advised_on_a_measured_trial_only() -> None:
+    m = Measurements(COMPUTE)  # 126 ms a step
+    faster = CompileTrial("blocks", step_seconds=0.063, compile_seconds=12.5)
+    (advice,) = advise(RunFacts(repeated_blocks=True), Measurements(COMPUTE, compile_trial=faster))
+    assert advice.change.startswith("--compile blocks") and advice.speedup == pytest.approx(2.0)
+    assert (
+        advice.evidence
+        == "measured: 126.0 ms per step eagerly, 63.0 ms with --compile blocks after 12.5 s of compiling"
     )
+    assert advice.expected_gain == "2.00x samples/s after the first steps"
+    slower = CompileTrial("blocks", step_seconds=0.128, compile_seconds=12.5)  # as on this CPU
+    assert advise(RunFacts(repeated_blocks=True), Measurements(COMPUTE, compile_trial=slower)) == []
+    assert advise(RunFacts(repeated_blocks=True), m) == []  # no trial, no claim
+    assert RunFacts(repeated_blocks=False).compile_to_try == "model"
+    assert RunFacts(repeated_blocks=True, compile="blocks").compile_to_try is None
+    assert RunFacts().compile_to_try is None  # the model is not known
 
 
 def test_graph_breaks_and_repeated_recompilations_are_advised_by_place() -> None:

@@ -133,6 +133,8 @@ def test_help_is_grouped_by_concern(tmp_path):
 
 # Adding or renaming a flag is a user-facing change: update this list on purpose.
 FROZEN_FIT_FLAGS = {
+    "--compile",
+    "--compile-mode",
     "--config",
     "--print_config",
     "--task",
@@ -198,7 +200,7 @@ def test_the_set_of_fit_flags_is_frozen():
 
 
 def test_doctor_takes_the_fit_flags_and_its_own():
-    own = {"--steps", "--warmup-steps", "--report", "--json", "--trace"}
+    own = {"--steps", "--warmup-steps", "--report", "--json", "--trace", "--try-compile"}
     assert _flags("doctor") == FROZEN_FIT_FLAGS | own
 
 

