@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from leantrain import cli
 from leantrain.config import TrainConfig
 from leantrain.diagnose.doctor import run_doctor
 from leantrain.diagnose.report import render_html
@@ -58,6 +59,20 @@ def test_a_compiled_run_trains_as_the_eager_one(tmp_path, flags):
     # the run's wall time less the compiling.
     train_seconds = summary["samples"] / summary["samples_per_second"]
     assert train_seconds < summary["wall_seconds"] - summary["compile_seconds"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_blocks_compiled_for_a_gpu_train_as_eager_there(tmp_path):
+    """Inductor's Triton kernels (float64, like the CPU tests)."""
+    runs = {}
+    for name, flags in (("eager", []), ("compiled", ["--compile", "blocks"])):
+        out = tmp_path / name
+        assert cli.main([*FIT, "--device", "cuda", *flags, "--out", str(out)]) == 0
+        runs[name] = load_file(out / "model.safetensors"), json.loads((out / "summary.json").read_text())
+    (eager, _), (compiled, summary) = runs["eager"], runs["compiled"]
+    assert max(float((compiled[k] - eager[k]).abs().max()) for k in eager) <= 1e-9
+    assert summary["compile_seconds"] > 0 and summary["device"].startswith("cuda")
 
 
 def test_an_eager_checkpoint_resumes_compiled(tmp_path):

@@ -90,5 +90,6 @@ def test_a_whole_checkpoint_does_not_resume_under_fsdp_and_says_what_does(tmp_pa
         "(strategy auto), and strategy fsdp resumes only from shards: resume it with a strategy that "
         "holds the whole model (single, ddp)"
     )
-    assert message in done.stderr.splitlines()
+    # Both ranks say it; torchrun's own log lines may land between a line's parts, so not per line.
+    assert message in done.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002.pt"]  # nothing lost
