@@ -1,12 +1,13 @@
 """``--compile`` on the CPU: eager against ``model`` and ``blocks``, step time and compile time (issue 15).
 
-Two models: the ``charlm`` example with its defaults (``leantrain fit --example charlm``: 4 blocks
-of width 128, 64 characters, global batch 64, one micro-batch) and the same transformer with 8
-blocks (``CharLMTask(layers=8)``). Each trains through ``leantrain.Trainer.fit`` with leantrain's
-defaults otherwise (compute threads included: no thread setting), the logger off and
-``checkpoint_every="never"`` to keep disk writes out of the figures, and validation off (the
-task's ``val_data`` returns None: a compiled model would also compile for evaluation, and that
-time would land in ``compile_seconds``). Three settings per model:
+Three models: the ``charlm`` example with its defaults (``leantrain fit --example charlm``: 4 blocks
+of width 128, 64 characters, global batch 64, one micro-batch), the same transformer with 8
+blocks (``CharLMTask(layers=8)``), and charlm in ``precision="bf16-mixed"`` (autocast: on the CPU,
+eager bf16 elementwise work is slow, and that is what compiling fuses). Each trains through
+``leantrain.Trainer.fit`` with leantrain's defaults otherwise (compute threads included: no
+thread setting), the logger off and ``checkpoint_every="never"`` to keep disk writes out of the
+figures, and validation off (the task's ``val_data`` returns None: a compiled model would also
+compile for evaluation, and that time would land in ``compile_seconds``). Three settings per model:
 
 - *eager*: ``compile="none"``;
 - *model*: ``compile="model"``: the whole model is one compiled unit;
@@ -55,10 +56,11 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "compile.md"
 TARGET = 1.10  # charlm, compile="blocks": samples/s after warm-up over eager's
 WARMUP = 10  # steps dropped at the start of each run (step 2 compiles; a few after it settle)
 MODES = ("none", "model", "blocks")
-# name -> (CharLMTask arguments, global batch size or None for leantrain's default)
-MODELS: dict[str, tuple[dict[str, int], int | None]] = {
-    "charlm": ({}, None),
-    "charlm, 8 blocks": ({"layers": 8}, None),
+# name -> (CharLMTask arguments, TrainConfig fields beyond leantrain's defaults)
+MODELS: dict[str, tuple[dict[str, int], dict[str, str]]] = {
+    "charlm": ({}, {}),
+    "charlm, 8 blocks": ({"layers": 8}, {}),
+    "charlm, bf16-mixed": ({}, {"precision": "bf16-mixed"}),
 }
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # they pin leantrain's thread count
 STDERR_TAIL = 3000  # characters of a failed run's stderr put into the error
@@ -94,13 +96,13 @@ def one(model: str, mode: str, steps: int) -> dict[str, Any]:
         def on_step(self, stats: Any) -> None:
             self.times.append(time.perf_counter())
 
-    batch = MODELS[model][1]
+    fields = MODELS[model][1]
     task = charlm(model)
     stamps = Stamps()
     with tempfile.TemporaryDirectory(prefix="leantrain-compile-") as scratch:
         config = lt.TrainConfig(
             max_steps=steps, compile=mode, logger="none", checkpoint_every="never", progress="none",
-            out_dir=str(Path(scratch) / "run"), **({} if batch is None else {"global_batch_size": batch}),
+            out_dir=str(Path(scratch) / "run"), **fields,
         )  # fmt: skip
         result = lt.Trainer(config, callbacks=[stamps]).fit(task)
     gaps = [b - a for a, b in zip(stamps.times, stamps.times[1:], strict=False)]  # steps 2..N
@@ -273,7 +275,8 @@ def render(
     )
     removed = [key for key in THREAD_VARIABLES if key in os.environ]
     lines = [
-        "# torch.compile on the CPU: `--compile none`, `model` and `blocks` (charlm, 4 and 8 blocks)",
+        "# torch.compile on the CPU: `--compile none`, `model` and `blocks` "
+        "(charlm: 4 and 8 blocks, fp32 and bf16-mixed)",
         "",
         f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.system()} {platform.machine()}, "
         f"{cpu_model()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}; load average "
@@ -281,7 +284,8 @@ def render(
         f"{minutes:.1f} min",
         f"- Code measured: commit {git_state()}; torch {first['torch']}",
         f"- Models: `CharLMTask()` (the `charlm` example's defaults: 4 blocks, width 128, 4 heads, 64 "
-        f"characters) and `CharLMTask(layers=8)`; {sizes}; AdamW, fp32; validation off.",
+        f'characters), `CharLMTask(layers=8)`, and charlm with `precision="bf16-mixed"`; {sizes}; AdamW, '
+        "fp32 unless named; validation off.",
         f'- Runs: `leantrain.Trainer(TrainConfig(max_steps={steps}, compile=MODE, logger="none", '
         'checkpoint_every="never", progress="none", out_dir=...)).fit(task)`, leantrain\'s defaults '
         f"otherwise: global batch {first['global_batch_size']}, micro-batch {first['micro_batch_size']}, "
