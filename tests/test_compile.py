@@ -14,7 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
+from torch.utils.data import TensorDataset
 
+import leantrain as lt
 from leantrain import cli
 from leantrain.config import TrainConfig
 from leantrain.diagnose.doctor import run_doctor
@@ -83,6 +85,48 @@ def test_an_eager_checkpoint_resumes_compiled(tmp_path):
                                "auto", "--compile", "blocks")  # fmt: skip
     assert max(float((resumed[k] - whole[k]).abs().max()) for k in whole) <= 1e-9
     assert summary["compile_seconds"] > 0
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.conv(x)))
+
+
+class ConvNet:
+    """A float64 conv net of BatchNorm blocks: compiled code must update their running statistics."""
+
+    def model(self) -> nn.Module:
+        blocks = [ConvBlock(8) for _ in range(3)]
+        head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)]
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *blocks, *head).double()
+
+    def train_data(self) -> TensorDataset:
+        generator = torch.Generator().manual_seed(0)
+        images = torch.randn(64, 3, 8, 8, generator=generator, dtype=torch.float64)
+        return TensorDataset(images, torch.randint(0, 4, (64,), generator=generator))
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        images, labels = batch
+        return nn.functional.cross_entropy(model(images), labels)
+
+    def optimizer(self, params):
+        return torch.optim.SGD(params, lr=0.1)
+
+
+def test_a_batch_norm_conv_net_compiled_by_blocks_trains_as_eager(tmp_path):
+    states = {}
+    for mode in ("none", "blocks"):
+        cfg = TrainConfig(global_batch_size=16, max_steps=5, compile=mode, logger="none", progress="none",
+                          checkpoint_every="never", out_dir=str(tmp_path / mode))  # fmt: skip
+        result = lt.Trainer(cfg).fit(ConvNet())
+        states[mode] = (result.model.state_dict(), result.compile_seconds)
+    (eager, _), (compiled, seconds) = states["none"], states["blocks"]
+    assert seconds > 0 and any("running_mean" in name for name in eager)
+    assert max(float((compiled[k].double() - eager[k].double()).abs().max()) for k in eager) <= 1e-9
 
 
 def test_compile_options_are_checked_before_the_run():
