@@ -138,3 +138,18 @@ def test_the_example_names_the_extra_it_needs_when_transformers_is_missing(monke
     monkeypatch.setattr(importlib.util, "find_spec", missing)
     with pytest.raises(lt.TaskError, match=r"needs datasets: pip install 'leantrain\[hf\]'$"):
         HFCausalLMTask()
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "llama"])
+def test_compiling_the_decoder_layers_compiles_each_once_and_trains_the_same_weights(fit, architecture):
+    """The key/value cache transformers fills in training (config.use_cache) would make every layer
+    compile again, past torch's recompile limit: the compiled run turns it off."""
+    torch._dynamo.reset()
+    plain = fit(tiny(architecture), **SETTINGS)
+    task = tiny(architecture)
+    compiled = fit(task, compile="blocks", **SETTINGS)
+    torch._dynamo.reset()
+    assert compiled.compile_seconds > 0
+    assert [event.line() for event in compiled.compiler_events] == []  # no layer compiled twice
+    for name, tensor in weights(plain).items():
+        assert float((weights(compiled)[name] - tensor).abs().max()) <= 1e-5, name

@@ -2,9 +2,10 @@
 
 Where it sits (``run/builders.build_model``): precision first (it converts or casts the model),
 then activation checkpointing (it replaces the blocks' ``forward``), then compiling, then the
-strategy's wrapping (DDP around the compiled model; FSDP2 shards each compiled block). Modules
-are compiled in place (``Module.compile``): their class, names and state-dict keys stay, so the
-strategies find their blocks and checkpoints load into an eager model alike.
+strategy's wrapping (DDP around the compiled model; FSDP2 shards each compiled block). Each
+module's ``forward`` is compiled in place: its class, names and state-dict keys stay, so the
+strategies find their blocks and checkpoints load into an eager model alike, and its hooks
+(FSDP2's) run outside the compiled code.
 
 * ``model``: the whole model is one compiled unit.
 * ``blocks``: each repeated block is compiled on its own (the blocks activation checkpointing
@@ -46,8 +47,9 @@ def compile_model(model: nn.Module, scope: str, options: dict[str, str], recompu
     wrapper), ``options`` for ``Module.compile``; the names of the compiled modules."""
     if scope == "none":
         return []
+    _no_key_value_cache(model)
     if scope == "model":
-        model.compile(**options)
+        compile_forward(model, options)
         return [type(model).__name__]
     # The classes activation checkpointing names, all of them (every:N picks which to recompute,
     # not which to compile), or the model's repeated blocks.
@@ -61,8 +63,30 @@ def compile_model(model: nn.Module, scope: str, options: dict[str, str], recompu
             "this model has no ModuleList or Sequential of repeated blocks: use --compile model",
         ) from None
     for _, block in blocks:
-        block.compile(**options)
+        compile_forward(block, options)
     return [name for name, _ in blocks]
+
+
+def _no_key_value_cache(model: nn.Module) -> None:
+    """transformers' models fill a key/value cache in training too while ``config.use_cache`` is on
+    (the default). Filled block by block, it makes every block compile again (its guards see each
+    layer's cache state) until torch's recompile limit runs the rest eagerly. Training reads no
+    cache: it is switched off, as transformers does for gradient checkpointing; ``generate``
+    passes its own ``use_cache`` and still caches."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+
+
+def compile_forward(module: nn.Module, options: dict[str, str]) -> None:
+    """The module's ``forward`` compiled, in place; its hooks (FSDP's among them) stay outside.
+
+    Not ``Module.compile``: that compiles ``Module._call_impl``, a frame of torch's own, which
+    torch.compile skips as a first frame; the forward is then compiled only when it is user
+    code, so an ``nn.Sequential`` or a block of ``torch.nn`` layers would run uncompiled without
+    a word. A forward given to torch.compile itself is compiled wherever its code lives.
+    """
+    module.forward = torch.compile(module.forward, **options)  # type: ignore[method-assign]
 
 
 @dataclass
@@ -147,7 +171,10 @@ class CompileWatch:
         callbacks = torch._dynamo.callback_handler
         callbacks.register_start_callback(self._start)
         callbacks.register_end_callback(self._end)
-        with _compiler_reports(_Collector(self._add)):
+        # Blocks differ in integer attributes (transformers' layer_idx): specialised on, each
+        # block would compile again, and past torch's recompile limit run eagerly.
+        shared = torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
+        with shared, _compiler_reports(_Collector(self._add)):
             try:
                 yield
             finally:

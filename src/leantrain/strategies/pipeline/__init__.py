@@ -35,6 +35,7 @@ from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError, TaskError
 from leantrain.step.accumulator import LossFn, MicroLoss, TermFn
 from leantrain.step.batching import BatchSplit
+from leantrain.step.compilation import compile_forward
 from leantrain.step.evaluation import LossAndMetrics, batch_size_of
 from leantrain.step.precision import Precision
 from leantrain.strategies.base import Example
@@ -98,7 +99,7 @@ class Pipeline(ShardedState, Collectives):
             if self.cfg.compile != "none":
                 # Tracing ran the blocks' code, not their compiled form: the stage is a new module,
                 # compiled here as one (its blocks are no longer modules of their own class).
-                self.stage.submod.compile(**self.cfg.compile_options)
+                compile_forward(self.stage.submod, self.cfg.compile_options)
                 self.notes.append(f"compile {self.cfg.compile}: this traced stage compiled as one module")
         # This process keeps its stage only: a traced stage is a new module, and the whole
         # model, dropped by the caller, frees the other stages.
