@@ -171,10 +171,7 @@ class CompileWatch:
         callbacks = torch._dynamo.callback_handler
         callbacks.register_start_callback(self._start)
         callbacks.register_end_callback(self._end)
-        # Blocks differ in integer attributes (transformers' layer_idx): specialised on, each
-        # block would compile again, and past torch's recompile limit run eagerly.
-        shared = torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
-        with shared, _compiler_reports(_Collector(self._add)):
+        with _compiler_reports(_Collector(self._add)):
             try:
                 yield
             finally:
