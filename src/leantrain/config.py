@@ -346,7 +346,7 @@ class TrainConfig:
 
     @property
     def compile_options(self) -> dict[str, str]:
-        """``Module.compile``'s keyword arguments for ``compile_mode``."""
+        """torch.compile's keyword arguments for ``compile_mode``."""
         return {} if self.compile_mode == "default" else {"mode": self.compile_mode}
 
     @property

@@ -44,7 +44,7 @@ _AT_LINE = re.compile(r"(?:in|at) (\S+?):(\d+)")
 
 def compile_model(model: nn.Module, scope: str, options: dict[str, str], recompute: str | None) -> list[str]:
     """Compile ``model`` in place as ``scope`` says (after activation checkpointing, before any
-    wrapper), ``options`` for ``Module.compile``; the names of the compiled modules."""
+    wrapper), ``options`` for ``torch.compile``; the names of the compiled modules."""
     if scope == "none":
         return []
     _no_key_value_cache(model)
