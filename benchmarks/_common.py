@@ -110,6 +110,13 @@ def ranged(values: Sequence[float], digits: int, thousands: bool = False) -> str
     return f"{middle:{spec}} [{min(values):{spec}} to {max(values):{spec}}]"
 
 
+def rotated(items: Sequence[Any], round_index: int) -> list[Any]:
+    """``items`` starting at the ``round_index``-th (wrapping): run in this order, no row is always
+    first, or always right after the same other row."""
+    shift = round_index % len(items)
+    return [*items[shift:], *items[:shift]]
+
+
 # ---------------------------------------------------------------------------------------
 # Command line and output
 

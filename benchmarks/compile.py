@@ -50,7 +50,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from _common import add_output_options, cpu_model, git_state, load_now, output_path, publish, ranged
+from _common import add_output_options, cpu_model, git_state, load_now, output_path, publish, ranged, rotated
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "compile.md"
 TARGET = 1.10  # charlm, compile="blocks": samples/s after warm-up over eager's
@@ -233,10 +233,8 @@ def measure(rows: list[Row], steps: int, rounds: int) -> list[str]:
     by_model = {name: [row for row in rows if row.model == name] for name in MODELS}
     for index in range(rounds):
         loads.append(load_now())
-        models = list(by_model.values())
-        models = models[index % len(models) :] + models[: index % len(models)]
-        for own in models:
-            for row in own[index % len(own) :] + own[: index % len(own)]:
+        for own in rotated(list(by_model.values()), index):
+            for row in rotated(own, index):
                 started = time.perf_counter()
                 run = run_once(row, steps)
                 row.runs.append(run)

@@ -46,7 +46,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from _common import add_output_options, cpu_model, git_state, load_now, output_path, publish, ranged
+from _common import add_output_options, cpu_model, git_state, load_now, output_path, publish, ranged, rotated
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "data_cli.md"
@@ -168,9 +168,7 @@ def measure(timed: list[Row], steps: int, rounds: int) -> list[str]:
     loads = []
     for round_index in range(rounds):
         loads.append(load_now())
-        # Rotate the order: no row is always first, or always right after the same other row.
-        shift = round_index % len(timed)
-        for row in timed[shift:] + timed[:shift]:
+        for row in rotated(timed, round_index):
             summary, wall = run_once(row, steps)
             record(row, summary, wall, steps)
             print(

@@ -85,6 +85,10 @@ class CompileTrial:
     step_seconds: float  # the compiled run's mean step, after its warm-up
     compile_seconds: float
 
+    def speedup(self, eager_step_seconds: float) -> float:
+        """The eager step over the compiled one."""
+        return _speedup(eager_step_seconds, self.step_seconds)
+
 
 def loader_facts(loader: Any) -> dict[str, Any]:
     """The ``RunFacts`` fields a ``torch.utils.data.DataLoader`` tells, for checking your own loop::
@@ -477,10 +481,10 @@ def fp32_on_fast_16bit(facts: RunFacts, m: Measurements) -> list[Advice]:
 def compile_the_model(facts: RunFacts, m: Measurements) -> list[Advice]:
     """Advised only on the doctor's own trial: on the CPU, compiling can be slower than eager
     (benchmarks/results/compile.md), so no gain is assumed."""
-    trial = m.compile_trial
-    if trial is None or facts.compile != "none":
+    trial = m.compile_trial  # only ever measured for an eager run
+    if trial is None:
         return []
-    gain = _speedup(m.step, trial.step_seconds)
+    gain = trial.speedup(m.step)
     if gain < COMPILE_WORTH:
         return []
     how = "each repeated block compiled once, in place" if trial.scope == "blocks" else "the whole model"

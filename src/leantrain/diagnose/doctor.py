@@ -250,7 +250,7 @@ def _facts(task: Any, cfg: TrainConfig, result: FitResult, device: torch.device,
         fast_16bit_ratio=fast_16bit,
         task_flags=task_flags,
         compile=cfg.compile,
-        repeated_blocks=result.model is not None and bool(block_classes(result.model)),
+        repeated_blocks=None if result.model is None else bool(block_classes(result.model)),
     )
 
 

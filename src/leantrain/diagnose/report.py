@@ -129,7 +129,7 @@ def compile_trial_line(d: Diagnosis) -> str:
     """The doctor's compiled trial, in one sentence."""
     trial = d.compile_trial
     assert trial is not None
-    gain = d.phases["total"] / max(trial.step_seconds, 1e-12)
+    gain = trial.speedup(d.phases["total"])
     verdict = "advised" if gain >= COMPILE_WORTH else f"not advised (under {COMPILE_WORTH:.2f}x)"
     eager, compiled = d.phases["total"] * 1000, trial.step_seconds * 1000
     return (
