@@ -110,7 +110,7 @@ def test_without_the_rng_state_the_resume_would_differ(tmp_path, monkeypatch):
     reference = train(tmp_path / "reference", checkpoint_every=3, num_workers=2)
     with pytest.raises(KeyboardInterrupt):
         train(tmp_path / "run", [StopAt(7)], checkpoint_every=3, num_workers=2)
-    monkeypatch.setattr("leantrain.run.loop.restore_rng", lambda state: None)
+    monkeypatch.setattr("leantrain.run.persistence.restore_rng", lambda state: None)
     resumed = train(tmp_path / "run", checkpoint_every=3, resume="auto", num_workers=2)
     assert not all(
         torch.equal(x, y)

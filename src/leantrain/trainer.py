@@ -16,6 +16,7 @@ from leantrain.cluster import ClusterEnv, detect
 from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError, StorageError
 from leantrain.extensions.trackers import check_trackers
+from leantrain.run.context import RunContext
 from leantrain.run.hooks import Callback, Instruments, NoInstruments, StepStats
 from leantrain.run.loop import Run
 from leantrain.run.preflight import check_machine
@@ -75,11 +76,13 @@ class Trainer:
                 compute_threads_restored(),
             ):
                 seed_everything(cfg.seed)
-                run = Run(cfg, task, device, run_dir, env, strategy, started, self.instruments)
+                dims = strategy.dims(cfg, env.world_size)
+                ctx = RunContext(cfg, task, env, device, run_dir, dims, self.instruments, started)
+                run = Run(ctx, strategy, self.callbacks)
                 try:
-                    result = _train(run, self.callbacks)
+                    result = _train(run)
                 except StorageError as error:
-                    raise StorageError(f"{error}; {run.recovery()}") from error
+                    raise StorageError(f"{error}; {run.persistence.recovery()}") from error
             if created_group:
                 # Rank 0 writes the outputs while the others are done: a rank that tears its
                 # gloo connections down while a peer still uses them can abort at exit.
@@ -95,28 +98,21 @@ class Trainer:
                 dist.destroy_process_group()
 
 
-def _train(run: Run, callbacks: Sequence[Callback]) -> FitResult:
+def _train(run: Run) -> FitResult:
     try:
         with StopSignals() as signals:
-            run.train(callbacks, signals)
+            run.train(signals)
     except BaseException:
-        run.logger.close_after_error()
+        run.observers.logger.close_after_error()
         # The error's traceback holds the run in a reference cycle: left to the collector, each
         # data worker would cost a 5 s wait at some later moment (in the user's next cell).
-        run.stop_workers()
-        _end_callbacks(run.callbacks, None)
+        run.data.stop_workers()
+        run.observers.end(None)
         raise
-    run.logger.close()
+    run.observers.logger.close()
     result = run.finish()
-    _end_callbacks(run.callbacks, result.summary())
+    run.observers.end(result.summary())
     return result
-
-
-def _end_callbacks(callbacks: Sequence[Any], summary: dict[str, Any] | None) -> None:
-    """``on_end`` of each callback: the summary, or None after an error or a stop signal."""
-    for callback in callbacks:
-        if hasattr(callback, "on_end"):
-            callback.on_end(summary)
 
 
 def _process_device(device: torch.device, env: ClusterEnv) -> torch.device:

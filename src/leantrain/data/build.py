@@ -1,8 +1,9 @@
 """From the task's datasets to the run's loaders: cache, sizes, worker count, sharding.
 
-The run (``run/loop.py``) calls these in order: :func:`load_train_data` (the cache, if asked for, and
-the epoch length), then, once the resume step is known, :func:`build_train_loader` and
-:func:`build_val_loader`. Every decision taken here is returned as a note for the run log.
+The run (``run/loop.py`` and ``run/builders.py``) calls these in order: :func:`load_train_data`
+(the cache, if asked for, and the epoch length), then, once the resume step is known,
+:func:`build_train_loader` and :func:`build_val_loader`. Every decision taken here is returned as
+a note for the run log.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ each warning is given once per run, through ``warn`` (a ``LeantrainWarning`` on 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -17,9 +18,15 @@ SKIPPED_SHARE_WARNING = 0.25
 UNDERFLOW_SHARE_WARNING = 0.25
 
 
+class SkipCounts(Protocol):
+    """Where the run counts its steps without an update (its progress, checkpointed)."""
+
+    skipped_steps: int
+    nonfinite_steps: int
+
+
 class PrecisionHealth:
-    def __init__(self, counts: dict[str, float], warn: Callable[[str], None]) -> None:
-        """``counts`` holds ``skipped_steps`` and ``nonfinite_steps`` (the run's progress, checkpointed)."""
+    def __init__(self, counts: SkipCounts, warn: Callable[[str], None]) -> None:
         self.counts = counts
         self.warn = warn
         self.worrying_skips = 0  # skipped steps, less the fp16 scale's calibration at the start
@@ -28,11 +35,11 @@ class PrecisionHealth:
 
     def count_skip(self, step: int, status: StepStatus) -> None:
         # Overflows before the first update are the fp16 scale settling from its initial value.
-        calibrating = status is StepStatus.OVERFLOW and step == self.counts["skipped_steps"]
+        calibrating = status is StepStatus.OVERFLOW and step == self.counts.skipped_steps
         self.worrying_skips += not calibrating
-        self.counts["skipped_steps"] += 1
+        self.counts.skipped_steps += 1
         if status is not StepStatus.OVERFLOW:
-            self.counts["nonfinite_steps"] += 1
+            self.counts.nonfinite_steps += 1
 
     def metrics(
         self,
@@ -42,7 +49,7 @@ class PrecisionHealth:
         underflow_share: torch.Tensor | None,
     ) -> dict[str, float]:
         """Skipped steps, loss scale and gradient underflow (reading the device values: a log point)."""
-        metrics: dict[str, float] = {"skipped_steps": self.counts["skipped_steps"]}
+        metrics: dict[str, float] = {"skipped_steps": self.counts.skipped_steps}
         skipped = self.worrying_skips - self.worrying_skips_at_last_log
         self.worrying_skips_at_last_log = self.worrying_skips
         scale = None if loss_scale is None else float(loss_scale)

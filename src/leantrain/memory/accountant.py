@@ -16,13 +16,16 @@ tensor is counted once however many views of it exist: a view is counted as its 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from types import TracebackType
+from typing import Any
 
 import torch
 
 from leantrain.units import format_bytes
+
+LossFn = Callable[[torch.nn.Module, Any], Any]  # the task's loss(model, batch)
 
 
 def base_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -163,3 +166,47 @@ def breakdown(
         activation_bytes=activation_bytes,
         ema_bytes=average_bytes(optimizer_params) if averaged else 0,
     )
+
+
+class FirstStepMemory:
+    """What a run's memory is spent on, measured in its first step: the bytes its first micro-batch
+    saves for backward (counted, and held to a CPU budget's ``limit``), then, once the optimizer
+    has stepped and its state exists, the whole breakdown. Nothing is counted after that step.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer_params: Sequence[torch.Tensor],
+        limit: int | None,
+        averaged: bool,
+    ) -> None:
+        self._model, self._optimizer_params, self._averaged = model, optimizer_params, averaged
+        self._saved = SavedActivations(model.parameters(), limit)
+        self.breakdown: MemoryBreakdown | None = None
+
+    def loss_fn(self, counted: LossFn, later: LossFn) -> LossFn:
+        """The loss function of the next step: until the first step is accounted, ``counted`` under
+        the count for its first call (the first micro-batch), then ``later``; after it, ``later``."""
+        if self.breakdown is not None:
+            return later
+        calls = 0
+
+        def measured(model: torch.nn.Module, batch: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                return later(model, batch)
+            with self._saved:
+                return counted(model, batch)
+
+        return measured
+
+    def account(self, optimizer: torch.optim.Optimizer) -> MemoryBreakdown | None:
+        """After a step: the breakdown, the first time (None once it is known)."""
+        if self.breakdown is not None:
+            return None
+        self.breakdown = breakdown(
+            self._model, self._optimizer_params, optimizer, self._saved.bytes, self._averaged
+        )
+        return self.breakdown

@@ -1,71 +1,86 @@
-"""The pieces of a run, each built by one function from the config, in the order ``Run`` calls them.
+"""The builders: each part of a run from the config and the parts it needs, in the order ``Run`` calls them.
 
-1. ``build_model``: the task's model, its precision (true 16-bit converts it; the optimizer
-   then gets fp32 masters), activation checkpointing (``auto`` resolved here), then
-   ``--compile`` (``step/compilation.py``);
-2. the training data (``data.build.load_train_data``), then ``example_of``: the task's loss and
-   a first micro-batch, for a strategy that traces the model;
-3. ``build_strategy``: the strategy wraps or cuts the model as it will run;
-4. ``build_optimization``: the optimizer over what the strategy says it updates, learning-rate
-   scaling, the task's scheduler;
-5. ``schedule_length``: steps per epoch and the steps of the run.
+A builder takes what it needs as arguments, so the order cannot be wrong: the model first, the
+optimizer over what the strategy made of it, then the resume (``Persistence.resume``: it loads into
+the model and optimizer, and tells where the run starts), the data from that step on, and the
+observers last (they log what the others decided).
 
-The data loaders come from ``data/build.py``; resuming is ``run/state.py``. The out-of-memory
-rebuild calls ``strategy.reset_after_out_of_memory`` and ``data.build.build_train_loader`` again.
+1. ``build_model_part``: the task's model, its precision (true 16-bit converts it; the optimizer
+   then gets fp32 masters), activation checkpointing (``auto`` resolved here), ``--compile``
+   (``step/compilation.py``), then the strategy, which wraps or cuts it as it will run (a strategy
+   that traces the model gets the task's loss and a first micro-batch: ``example_of``); every rank
+   draws its own random numbers from there on;
+2. ``build_optimization``: the optimizer over what the strategy says it updates, learning-rate
+   scaling, the task's scheduler, and the memory policy that sizes the micro-batch;
+3. ``build_data``: the loaders from the resumed step on, cut as the (searched) split says;
+4. ``build_observers``: the log, the callbacks (their state restored), the health of the numbers,
+   the heartbeat and the hang watchdog, the compiler's events.
+
+The out-of-memory rebuild calls ``strategy.reset_after_out_of_memory``, ``Optimization.use_split``
+and ``DataPart.restart``.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from leantrain.blocks import BlockPolicy
-from leantrain.config import TrainConfig
+from leantrain.data.build import TrainData, build_train_loader, build_val_loader
 from leantrain.data.loader import collate, move_to_device
-from leantrain.data.sampler import steps_per_epoch
+from leantrain.data.workers import cpus_per_process
 from leantrain.errors import LeantrainWarning, TaskError
-from leantrain.memory.adaptive import scale_learning_rates
+from leantrain.log.precision_health import PrecisionHealth
+from leantrain.log.run_logger import RunLogger
+from leantrain.memory.adaptive import MicroBatchSizer, scale_learning_rates
 from leantrain.memory.estimate import fewest_checkpointed_blocks, first_items
 from leantrain.memory.recompute import apply_activation_checkpointing, cache_note
-from leantrain.run.hooks import Instruments
+from leantrain.run.context import RunContext
+from leantrain.run.data import DataPart, Schedule
+from leantrain.run.hooks import Callback
+from leantrain.run.model import ModelPart
+from leantrain.run.observers import Observers, restore_callbacks, say_error
+from leantrain.run.optimization import Optimization
+from leantrain.run.persistence import Persistence, Resumed
+from leantrain.run.watchdog import Heartbeat, Watchdog
+from leantrain.run.watchers import built_in_callbacks
+from leantrain.runtime import derived_seed, leave_cpus_to_workers, seed_everything
+from leantrain.step.batch_norm import batch_norm_layers
 from leantrain.step.batching import BatchSplit
-from leantrain.step.compilation import compile_model
+from leantrain.step.compilation import CompileWatch, compile_model
 from leantrain.step.precision import Precision, make_precision
 from leantrain.strategies.base import Example, Strategy
-from leantrain.strategies.dims import ParallelDims
+from leantrain.strategies.process_group import group_store
 from leantrain.task import call_task
 from leantrain.units import parse_bytes
 
 
-class ModelParts(NamedTuple):
-    model: nn.Module  # unwrapped, on the strategy's build device
+class PreparedModel(NamedTuple):
+    """The task's model before the strategy: precision applied, blocks recomputed, compiled."""
+
+    model: nn.Module  # on the strategy's build device
     precision: Precision
     prepared: list[nn.Parameter]  # what precision.prepare returned: the optimizer's, before wrapping
     recompute: str | None  # the activation checkpointing policy, ``auto`` resolved
     recomputed: list[str]  # the blocks it recomputes
-    notes: list[str]  # set-up decisions, for the run log
+    notes: list[str]
 
 
-def build_model(
-    task: Any,
-    cfg: TrainConfig,
-    strategy: type[Strategy],
-    device: torch.device,
-    world_size: int,
-    instruments: Instruments,
-) -> ModelParts:
+def prepare_model(ctx: RunContext, strategy: type[Strategy]) -> PreparedModel:
     """Precision first (before any wrapper), then activation checkpointing, then compiling."""
-    model = _task_model(task).to(strategy.build_device(device))
-    precision = instruments.precision(make_precision(cfg.precision, device))
+    cfg, task = ctx.cfg, ctx.task
+    model = _task_model(task).to(strategy.build_device(ctx.device))
+    precision = ctx.instruments.precision(make_precision(cfg.precision, ctx.device))
     prepared = precision.prepare(model)
     notes = []
     policy = cfg.activation_checkpointing
     if policy == "auto":
         budget = parse_bytes(cfg.memory_budget) or 0
-        policy = fewest_checkpointed_blocks(task, cfg, budget, world_size)
+        policy = fewest_checkpointed_blocks(task, cfg, budget, ctx.env.world_size)
         notes.append(f"activation checkpointing auto: {policy or 'none needed'}")
     recomputed = [] if policy is None else apply_activation_checkpointing(model, BlockPolicy.parse(policy))
     if recomputed and (note := cache_note(model)):
@@ -74,7 +89,25 @@ def build_model(
     if compiled:
         shown = ", ".join(compiled[:3]) + (", ..." if len(compiled) > 3 else "")
         notes.append(f"compile {cfg.compile} (mode {cfg.compile_mode}): {len(compiled)} module(s) ({shown})")
-    return ModelParts(model, precision, prepared, policy, recomputed, notes)
+    return PreparedModel(model, precision, prepared, policy, recomputed, notes)
+
+
+def build_model_part(
+    ctx: RunContext, strategy: type[Strategy], prepared: PreparedModel, train: TrainData, split: BatchSplit
+) -> ModelPart:
+    """The strategy, built and wrapping the prepared model (the process group, if any, is up)."""
+    built = strategy(ctx.cfg, ctx.device, ctx.dims)
+    built.wrap(prepared.model, example_of(ctx.task, train.dataset, split, ctx.device))
+    ctx.instruments.strategy(built)
+    if ctx.env.distributed:
+        # Every rank drew the same initial weights above (DDP also broadcasts rank 0's).
+        # From here on each rank draws its own numbers: dropout masks must differ by rank.
+        seed_everything(derived_seed(ctx.cfg.seed, ctx.env.rank))
+    batch_norms = batch_norm_layers(prepared.model)  # as wrapped: --sync-batchnorm converts them in place
+    return ModelPart(
+        built, prepared.precision, prepared.prepared, prepared.recompute, prepared.recomputed, batch_norms,
+        prepared.notes,
+    )  # fmt: skip
 
 
 def _task_model(task: Any) -> nn.Module:
@@ -102,33 +135,10 @@ def example_of(task: Any, dataset: Any, split: BatchSplit, device: torch.device)
     return Example(task.loss, first_batch)
 
 
-def build_strategy(
-    strategy: type[Strategy],
-    cfg: TrainConfig,
-    device: torch.device,
-    dims: ParallelDims,
-    model: nn.Module,
-    example: Example,
-    instruments: Instruments,
-) -> Strategy:
-    """The strategy, with the model wrapped (the process group, if any, is up)."""
-    built = strategy(cfg, device, dims)
-    built.wrap(model, example)
-    instruments.strategy(built)
-    return built
-
-
-class Optimization(NamedTuple):
-    params: list[nn.Parameter]  # what the optimizer updates
-    optimizer: torch.optim.Optimizer
-    scheduler: Any  # the task's learning-rate scheduler, or None
-    notes: list[str]
-
-
-def build_optimization(
-    task: Any, cfg: TrainConfig, strategy: Strategy, prepared: list[nn.Parameter]
-) -> Optimization:
-    params = strategy.optimizer_params(prepared)
+def build_optimization(ctx: RunContext, model: ModelPart) -> Optimization:
+    """The optimizer over what the strategy updates, scaled learning rates, the scheduler, the sizer."""
+    cfg, task = ctx.cfg, ctx.task
+    params = model.strategy.optimizer_params(model.prepared)
     optimizer = call_task("task.optimizer(params)", task.optimizer, iter(params))
     _check_optimizer_holds(optimizer, params)
     notes = []
@@ -136,7 +146,9 @@ def build_optimization(
         notes.append(scale_learning_rates(optimizer, cfg))
     scheduler_fn = getattr(task, "scheduler", None)
     scheduler = scheduler_fn(optimizer) if callable(scheduler_fn) else None
-    return Optimization(params, optimizer, scheduler, notes)
+    sizer = MicroBatchSizer(task, cfg, model.precision, model.model, ctx.device, ctx.env, model.recompute)
+    averaged = cfg.ema_decay is not None
+    return Optimization(model, params, optimizer, scheduler, sizer, cfg.max_grad_norm, averaged, notes)
 
 
 def _check_optimizer_holds(optimizer: Any, params: list[nn.Parameter]) -> None:
@@ -170,12 +182,68 @@ def _check_optimizer_holds(optimizer: Any, params: list[nn.Parameter]) -> None:
         )
 
 
-def schedule_length(cfg: TrainConfig, dataset_size: int | None, split: BatchSplit) -> tuple[int | None, int]:
-    """Optimizer steps per epoch (None for a stream of unknown length) and the steps of the run."""
-    per_epoch = None if dataset_size is None else steps_per_epoch(dataset_size, split)
-    epoch_steps = cfg.epoch_limit and per_epoch and cfg.epoch_limit * per_epoch
-    return per_epoch, min(limit for limit in (cfg.max_steps, epoch_steps) if limit)
+def build_data(
+    ctx: RunContext,
+    model: ModelPart,
+    train: TrainData,
+    schedule: Schedule,
+    split: BatchSplit,
+    resumed: Resumed,
+) -> DataPart:
+    """The training loader from the resumed step on, the validation loader; on the CPU, the main
+    process's threads budgeted beside the loader's workers."""
+    cfg, data_env = ctx.cfg, ctx.data_env
+    pin = cfg.pin_memory if cfg.pin_memory is not None else ctx.device.type == "cuda"
+    train_loader, workers, prefetch = build_train_loader(
+        train, cfg, data_env, split, schedule.total_steps, resumed.step, pin
+    )
+    val_loader = build_val_loader(ctx.task, cfg, data_env, split, workers, prefetch, pin, train.notes)
+    if ctx.device.type == "cpu":  # the workers and the step's compute share this node's CPUs
+        threads = leave_cpus_to_workers(workers, cpus_per_process(ctx.env.local_world_size))
+        train.notes.extend([threads] if threads else [])
+    loaders = (train_loader, val_loader)
+    return DataPart(
+        ctx, train, schedule, split, resumed.step, loaders, workers, pin, model.precision.input_dtype
+    )
 
 
-def pin_memory(cfg: TrainConfig, device: torch.device) -> bool:
-    return cfg.pin_memory if cfg.pin_memory is not None else device.type == "cuda"
+def build_observers(
+    ctx: RunContext,
+    model: ModelPart,
+    optimization: Optimization,
+    data: DataPart,
+    persistence: Persistence,
+    resumed: Resumed,
+    callbacks: Sequence[Callback],
+) -> Observers:
+    """The log, the callbacks (built-in ones first, their state restored), the watchers."""
+    cfg, env = ctx.cfg, ctx.env
+    logger = RunLogger(
+        ctx.run_dir, data.schedule.total_steps, cfg.progress, "tensorboard" in cfg.loggers, resumed.step,
+        enabled=env.is_main,
+    )  # fmt: skip
+    built_ins = built_in_callbacks(
+        cfg,
+        validates=data.val_loader is not None,
+        is_main=env.is_main,
+        run_dir=ctx.run_dir,
+        checkpoints=persistence.checkpoints,
+        write_weights=lambda name: model.write_weights(ctx.run_dir / name, env.is_main),
+        warn=logger.warning,
+        model=model.model,
+        optimizer_params=optimization.params,
+        precision=model.precision,
+    )
+    all_callbacks = [*built_ins, *callbacks]
+    if resumed.step:
+        restore_callbacks(
+            all_callbacks, resumed.callbacks, resumed.callback_from_shards, resumed.step, logger.warning
+        )
+    heartbeat = Heartbeat()
+    compiler = CompileWatch(cfg.compile != "none", lambda event: logger.message(event.line()))
+    watchdog = Watchdog(
+        cfg.hang_timeout, heartbeat, ctx.run_dir, env.rank, env.world_size, group_store(), say_error,
+        paused=lambda: compiler.compiling,
+    )  # fmt: skip
+    health = PrecisionHealth(persistence.progress, logger.warning)
+    return Observers(logger, all_callbacks, health, heartbeat, compiler, watchdog)

@@ -1,4 +1,4 @@
-"""What a run did: ``FitResult``, whose ``summary()`` is ``summary.json``."""
+"""What a run did: ``FitResult``, whose ``summary()`` is ``summary.json``, read off the run's parts."""
 
 from __future__ import annotations
 
@@ -6,8 +6,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from leantrain.memory.accountant import MemoryBreakdown
+from leantrain.run.context import RunContext
+from leantrain.run.data import DataPart
+from leantrain.run.model import ModelPart
+from leantrain.run.observers import Observers
+from leantrain.run.persistence import Persistence
+from leantrain.runtime import peak_memory_bytes
 from leantrain.step.compilation import CompilerEvent
 
 
@@ -55,3 +63,45 @@ class FitResult:
             if f.name not in ("val_metrics", "compiler_events", "out_dir", "model")
         }
         return {**data, **self.val_metrics, "out_dir": str(self.out_dir)}
+
+
+def fit_result(
+    ctx: RunContext,
+    steps: int,
+    model: ModelPart,
+    data: DataPart,
+    persistence: Persistence,
+    observers: Observers,
+    memory: MemoryBreakdown | None,
+    val_metrics: dict[str, float],
+) -> FitResult:
+    """What the run did after ``steps`` optimizer steps, counting the earlier processes of the run."""
+    split, progress, compiler = data.split, persistence.progress, observers.compiler
+    samples = steps * split.global_batch_size
+    return FitResult(
+        steps=steps,
+        samples=samples,
+        final_train_loss=progress.final_train_loss,
+        samples_per_second=samples / max(progress.train_seconds, 1e-9),
+        wall_seconds=persistence.wall_seconds(),
+        micro_batch_size=split.micro_batch_size,
+        accumulation_steps=split.accumulation_steps,
+        world_size=ctx.env.world_size,
+        precision=model.precision.name,
+        strategy=model.strategy.name,
+        peak_memory_bytes=peak_memory_bytes(ctx.device),
+        global_batch_size=split.global_batch_size,
+        device=str(ctx.device),
+        num_workers=data.num_workers,
+        compute_threads=torch.get_num_threads(),
+        skipped_steps=int(progress.skipped_steps),
+        nonfinite_steps=int(progress.nonfinite_steps),
+        stopped_early=steps < data.schedule.total_steps,  # the only way to end short of it
+        checkpoint_blocked_seconds=persistence.checkpoint_blocked_seconds(),
+        compile_seconds=progress.compile_seconds + compiler.seconds,
+        compiler_events=compiler.events,
+        **(memory.as_dict() if memory is not None else {}),
+        val_metrics=dict(val_metrics),
+        out_dir=ctx.run_dir,
+        model=model.model,
+    )

@@ -1,6 +1,6 @@
 """``--compile``: torch.compile applied to the model, and what compiling costs while the run trains.
 
-Where it sits (``run/builders.build_model``): precision first (it converts or casts the model),
+Where it sits (``run/builders.prepare_model``): precision first (it converts or casts the model),
 then activation checkpointing (it replaces the blocks' ``forward``), then compiling, then the
 strategy's wrapping (DDP around the compiled model; FSDP2 shards each compiled block). Each
 module's ``forward`` is compiled in place: its class, names and state-dict keys stay, so the
