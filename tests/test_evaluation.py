@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import leantrain as lt
-from leantrain.step.evaluation import batch_size_of, evaluate
+from leantrain.step.evaluation import batch_size_of, evaluate, even_forwards
 from leantrain.step.precision import Fp32
 from leantrain.strategies.dims import ParallelDims
 from leantrain.strategies.single import Single
@@ -58,3 +60,51 @@ def test_a_process_that_computed_no_loss_adds_nothing():
     strategy = Single(lt.TrainConfig(), torch.device("cpu"), ParallelDims())
     strategy.wrap(TinyClassifier().model(), None)
     assert evaluate(strategy, TinyClassifier(), [], Fp32()) == {}
+
+
+def test_a_shorter_share_runs_spare_forwards_up_to_the_common_count():
+    """fsdp's forwards gather parameters from every rank: a rank with fewer validation batches runs
+    its last one again until every rank has run as many; those results count for nothing."""
+    counted = deque()
+    fed = list(even_forwards(["a", "b"], 4, lambda flag: pytest.fail("no agreement needed"), None, counted))
+    assert fed == ["a", "b", "b", "b"]
+    assert list(counted) == [True, True, False, False]
+
+
+def test_a_share_of_the_common_count_runs_no_spare_forward():
+    counted = deque()
+    assert list(even_forwards(["a", "b"], 2, bool, None, counted)) == ["a", "b"]
+    assert list(counted) == [True, True]
+
+
+def test_a_rank_without_a_batch_runs_the_spare_one():
+    counted = deque()
+    assert list(even_forwards([], 2, bool, lambda: "spare", counted)) == ["spare", "spare"]
+    assert list(counted) == [False, False]
+
+
+def test_a_stream_of_unknown_length_agrees_before_each_batch():
+    """Without a count, the ranks ask each other before each batch whether any has one left (here
+    another rank has two more than this one)."""
+    others_left = iter([True, True, False])
+    asked = []
+
+    def any_rank(flag: bool) -> bool:
+        asked.append(flag)
+        return flag or next(others_left)
+
+    counted = deque()
+    assert list(even_forwards(["a", "b", "c"], None, any_rank, None, counted)) == ["a", "b", "c", "c", "c"]
+    assert asked == [True, True, True, False, False, False]
+    assert list(counted) == [True, True, True, False, False]
+
+
+def test_spare_forwards_leave_the_metrics_as_they_are():
+    """Evaluating 3 batches, padded to 5 forwards with spare ones, gives the 3 batches' metrics."""
+    task = TinyClassifier(samples=10)
+    model = task.model()
+    loader = DataLoader(TensorDataset(task.x, task.y), batch_size=4)  # batches of 4, 4, 2
+    strategy = Single(lt.TrainConfig(), torch.device("cpu"), ParallelDims())
+    strategy.wrap(model, None)
+    padded = evaluate(strategy, task, loader, Fp32(), forwards=5)
+    assert padded == evaluate(strategy, task, loader, Fp32())

@@ -212,3 +212,15 @@ def block_regression_reading_back() -> BlockRegression:
     task = BlockRegression(loss_kind="sum")
     task.read_back = True
     return task
+
+
+class UnevenValidation(DeepRegression):
+    """DeepRegression with 101 validation samples and a metric: on 2 processes, shares of 51 and 50
+    samples (26 and 25 micro-batches of 2), and a last micro-batch of 1 sample on one process."""
+
+    def val_data(self):
+        return torch.utils.data.TensorDataset(self.x[:101], self.y[:101], self.mask[:101])
+
+    def metrics(self, model, batch):
+        x, y, _ = batch
+        return {"abs_error": (model(x) - y).abs().mean()}

@@ -2,16 +2,18 @@
 
 The run (``run/loop.py`` and ``run/builders.py``) calls these in order: :func:`load_train_data`
 (the cache, if asked for, and the epoch length), then, once the resume step is known,
-:func:`build_train_loader` and :func:`build_val_loader`. Every decision taken here is returned as
-a note for the run log.
+:func:`build_train_loader` and :func:`build_val_loader` (with the count of validation forwards
+every rank runs: see ``step/evaluation.py``). Every decision taken here is returned as a note
+for the run log.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
@@ -21,7 +23,7 @@ from leantrain.config import TrainConfig
 from leantrain.data.cache import CacheError, prepare_cache, task_source
 from leantrain.data.hf import torch_rows
 from leantrain.data.limits import check_prefetch, item_bytes
-from leantrain.data.loader import build_loader, check_map_style
+from leantrain.data.loader import build_loader, check_map_style, collate
 from leantrain.data.sampler import GlobalBatchSampler
 from leantrain.data.stream import RankShard, StreamShard, check_stream_steps, stream_length
 from leantrain.data.workers import (
@@ -183,6 +185,14 @@ def _stream_options(options: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+class ValidationData(NamedTuple):
+    """This rank's validation loader, and what it takes for every rank to run as many forwards."""
+
+    loader: DataLoader
+    forwards: int | None  # the batches of the largest share; None: unknown (a stream)
+    spare: Callable[[], Any]  # one item as a batch (not on the device): for a rank without a batch
+
+
 def build_val_loader(
     task: Any,
     cfg: TrainConfig,
@@ -192,7 +202,7 @@ def build_val_loader(
     prefetch: int | None,
     pin: bool,
     notes: list[str],
-) -> DataLoader | None:
+) -> ValidationData | None:
     """Validation data, each rank taking every world_size-th sample, in micro-batches."""
     val_fn = getattr(task, "val_data", None)
     val_data = call_task("task.val_data()", val_fn) if callable(val_fn) else None
@@ -202,9 +212,17 @@ def build_val_loader(
     if cfg.cache is not None:
         val_data = _cached(val_data, task, "val", cfg, env, notes)
     options = dict(num_workers=workers, pin_memory=pin, prefetch_factor=prefetch, seed=cfg.seed)
+    micro = batch_split.micro_batch_size
     if isinstance(val_data, IterableDataset):
         shard = RankShard(val_data, "val_data", env.rank, env.world_size)
-        return DataLoader(shard, batch_size=batch_split.micro_batch_size, **_stream_options(options))
+        loader = DataLoader(shard, batch_size=micro, **_stream_options(options))
+        return ValidationData(loader, None, lambda: _as_batch(next(iter(val_data))))
     size = check_map_style(val_data, "val_data")
     share = Subset(val_data, range(env.rank, size, env.world_size)) if env.distributed else val_data
-    return build_loader(share, "val_data", batch_size=batch_split.micro_batch_size, **options)
+    largest_share = -(-size // env.world_size)
+    loader = build_loader(share, "val_data", batch_size=micro, **options)
+    return ValidationData(loader, -(-largest_share // micro), lambda: _as_batch(val_data[0]))
+
+
+def _as_batch(item: Any) -> Any:
+    return collate([item], [0], "val_data")

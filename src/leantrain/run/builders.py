@@ -197,11 +197,11 @@ def build_data(
     train_loader, workers, prefetch = build_train_loader(
         train, cfg, data_env, split, schedule.total_steps, resumed.step, pin
     )
-    val_loader = build_val_loader(ctx.task, cfg, data_env, split, workers, prefetch, pin, train.notes)
+    validation = build_val_loader(ctx.task, cfg, data_env, split, workers, prefetch, pin, train.notes)
     if ctx.device.type == "cpu":  # the workers and the step's compute share this node's CPUs
         threads = leave_cpus_to_workers(workers, cpus_per_process(ctx.env.local_world_size))
         train.notes.extend([threads] if threads else [])
-    loaders = (train_loader, val_loader)
+    loaders = (train_loader, validation)
     return DataPart(
         ctx, train, schedule, split, resumed.step, loaders, workers, pin, model.precision.input_dtype
     )
@@ -224,7 +224,7 @@ def build_observers(
     )  # fmt: skip
     built_ins = built_in_callbacks(
         cfg,
-        validates=data.val_loader is not None,
+        validates=data.validation is not None,
         is_main=env.is_main,
         run_dir=ctx.run_dir,
         checkpoints=persistence.checkpoints,

@@ -8,7 +8,7 @@ under it (``checkpoint_state``); ``check_compatible`` compares them when resumin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from leantrain.config import TrainConfig
-from leantrain.data.build import TrainData, build_train_loader
-from leantrain.data.loader import device_batches, stop_workers
+from leantrain.data.build import TrainData, ValidationData, build_train_loader
+from leantrain.data.loader import device_batches, move_to_device, stop_workers
 from leantrain.data.sampler import steps_per_epoch
 from leantrain.run.context import RunContext
 from leantrain.run.watchdog import Heartbeat
@@ -50,7 +50,7 @@ class DataPart:
         schedule: Schedule,
         split: BatchSplit,
         start_step: int,
-        loaders: tuple[DataLoader, DataLoader | None],
+        loaders: tuple[DataLoader, ValidationData | None],
         num_workers: int,
         pin_memory: bool,
         input_dtype: torch.dtype | None,
@@ -58,7 +58,7 @@ class DataPart:
         self.ctx, self.train, self.schedule = ctx, train, schedule
         self.split = split  # changed only by ``restart`` (a halved micro-batch)
         self.start_step = start_step  # where this process began: 0, or the resumed checkpoint's step
-        self.train_loader, self.val_loader = loaders
+        self.train_loader, self.validation = loaders
         self.num_workers = num_workers  # as resolved from auto / tune
         self.pin_memory = pin_memory
         self.input_dtype = input_dtype  # batches are cast to it on the way (true 16-bit precisions)
@@ -83,14 +83,17 @@ class DataPart:
         batches = device_batches(loader, self.ctx.device, self.input_dtype)
         return heartbeat.counted(instruments.batches(batches))
 
-    def validation_batches(self, heartbeat: Heartbeat) -> Iterator[Any]:
-        """This process's validation batches on the device."""
-        assert self.val_loader is not None
-        return heartbeat.counted(device_batches(self.val_loader, self.ctx.device, self.input_dtype))
+    def validation_batches(self, heartbeat: Heartbeat) -> tuple[Iterator[Any], int | None, Callable[[], Any]]:
+        """This process's validation batches on the device, the forwards every rank runs, and a spare
+        batch for a rank without one (``evaluate``'s arguments: see ``step/evaluation.py``)."""
+        assert self.validation is not None
+        loader, forwards, spare = self.validation
+        batches = heartbeat.counted(device_batches(loader, self.ctx.device, self.input_dtype))
+        return batches, forwards, lambda: move_to_device(spare(), self.ctx.device, dtype=self.input_dtype)
 
     def validation_due(self, done: int) -> bool:
         """After the last step, and every val_every_n_steps steps."""
-        if self.val_loader is None:
+        if self.validation is None:
             return False
         every = self.ctx.cfg.val_every_n_steps
         return done == self.schedule.total_steps or bool(every and done % every == 0)
@@ -98,7 +101,7 @@ class DataPart:
     def stop_workers(self) -> None:
         """Stop the data workers now, not when the collector finds them (see ``stop_workers``)."""
         stop_workers(self.train_loader)
-        stop_workers(self.val_loader)
+        stop_workers(self.validation and self.validation.loader)
 
     def checkpoint_state(self, done: int) -> dict[str, Any]:
         return {

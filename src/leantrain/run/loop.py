@@ -168,7 +168,7 @@ class Run:
             if early is not None:
                 observers.logger.message(early)
                 break
-        if self.data.val_loader is not None and self.data.start_step == total:
+        if self.data.validation is not None and self.data.start_step == total:
             self._validate(total)  # resumed after the last step: not validated yet
 
     def _save_at(self, done: int, stop: bool, signals: StopSignals) -> None:
@@ -240,9 +240,11 @@ class Run:
     def _validate(self, done: int) -> float:
         """Validate, log the metrics and return the seconds it took."""
         started, observers = time.perf_counter(), self.observers
-        batches = self.data.validation_batches(observers.heartbeat)
+        batches, forwards, spare = self.data.validation_batches(observers.heartbeat)
         with observers.evaluated_weights():  # a callback may have other weights validated (--ema-validate)
-            self.val_metrics = evaluate(self.model.strategy, self.ctx.task, batches, self.model.precision)
+            self.val_metrics = evaluate(
+                self.model.strategy, self.ctx.task, batches, self.model.precision, forwards, spare
+            )
             observers.logger.log(done, self.val_metrics)
             shown = ", ".join(f"{k} {v:.4f}" for k, v in self.val_metrics.items())
             observers.logger.message(f"validation at step {done}: {shown}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
@@ -63,20 +64,64 @@ class EvalStrategy(Protocol):
         self, loss_and_metrics: LossAndMetrics, batches: Iterable[Any], precision: Precision
     ) -> Iterator[tuple[Any, dict[str, Any], int]]: ...
 
+    def any_rank(self, flag: bool) -> bool: ...
+
     def gather(self, value: Any) -> list[Any]: ...
 
 
 LossAndMetrics = Callable[[nn.Module, Any], tuple[Any, dict[str, Any]]]
+_NONE = object()  # no batch left
+
+
+def even_forwards(
+    batches: Iterable[Any],
+    forwards: int | None,
+    any_rank: Callable[[bool], bool],
+    spare: Callable[[], Any] | None,
+    counted: deque[bool],
+) -> Iterator[Any]:
+    """``batches``, then spare ones, until this process has run as many forwards as every other.
+
+    Under a strategy whose forward communicates (fsdp gathers the parameters from every rank), a
+    rank that stops early leaves the others waiting in a collective; uneven validation shares are
+    the rule (101 samples on 2 ranks). ``forwards``: how many every rank runs (the largest share's
+    batches); None when not known (a stream without a length): the ranks then agree before each
+    batch whether any has one left. A spare batch is this process's last batch again (or
+    ``spare()`` when it had none); ``counted`` gets, in order, whether each batch yielded counts.
+    """
+    source, last, ran = iter(batches), _NONE, 0
+    while True:
+        batch = next(source, _NONE)
+        has_batch = batch is not _NONE
+        done = not any_rank(has_batch) if forwards is None else not has_batch and ran >= forwards
+        if done:
+            return
+        if has_batch:
+            last = batch
+        elif last is _NONE:
+            if spare is None:
+                raise ValueError("a rank without validation batches needs a spare batch to run")
+            last = spare()
+        counted.append(has_batch)
+        ran += 1
+        yield batch if has_batch else last
 
 
 @torch.no_grad()
 def evaluate(
-    strategy: EvalStrategy, task: Any, batches: Iterable[Any], precision: Precision
+    strategy: EvalStrategy,
+    task: Any,
+    batches: Iterable[Any],
+    precision: Precision,
+    forwards: int | None = None,
+    spare: Callable[[], Any] | None = None,
 ) -> dict[str, float]:
     """Mean loss (``val_loss``) and mean of each task metric (``val_<name>``), weighted by samples.
 
     ``batches`` are device batches of this process's share of the data; the strategy runs the
-    forward passes (a pipeline: through its stages) and yields the losses it computed. Sums stay
+    forward passes (a pipeline: through its stages) and yields the losses it computed. Every rank
+    runs the same number of forwards (``even_forwards``: ``forwards`` per rank, or agreed batch by
+    batch; ``spare``: a batch for a rank with none), the spare ones counting for nothing. Sums stay
     on the device until the end: one host read per validation, then one gather of every
     process's sums (a process that computed no loss, a pipeline's first stage, adds nothing).
     """
@@ -89,8 +134,11 @@ def evaluate(
         return loss, call_task("task.metrics", metrics_fn, model, batch, where="in validation", batch=batch)
 
     sums = ValidationSums()
-    for loss, extra, samples in strategy.forward_only(loss_and_metrics, batches, precision):
-        sums.add_batch(loss, extra, samples)
+    counted: deque[bool] = deque()  # for each batch fed, in order: whether its result counts
+    fed = even_forwards(batches, forwards, strategy.any_rank, spare, counted)
+    for loss, extra, samples in strategy.forward_only(loss_and_metrics, fed, precision):
+        if counted.popleft():  # a strategy yields one result per batch, in order (or none at all)
+            sums.add_batch(loss, extra, samples)
     names, totals = sums.totals()
     merged: dict[str, list[float]] = {}
     for part in strategy.gather(dict(zip(names, totals.tolist(), strict=True))):

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils._pytree import tree_map_only
 
 from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError, TaskError
@@ -225,14 +226,31 @@ class Pipeline(ShardedState, Collectives):
         """Validation through the pipeline, with the training step's schedule.
 
         Every stage reads the same validation batches; they go through the schedule ``k`` at a
-        time (``k`` = the micro-batches of a training step: the stages were built for that
-        shape), and a last incomplete group is left out. The last stages yield the losses.
+        time (``k`` = the micro-batches of a training step), in the shape the stages were built
+        for: a shorter last batch is padded with copies of its last sample, and a last incomplete
+        group with copies of its last batch. The last stages yield the losses of the real samples
+        only (the padded rows' outputs are cut off before the task's loss sees them).
         """
-        outputs: dict[int, tuple[Any, dict[str, Any]]] = {}  # by batch: once, however often called
+        # By the id of the batch the stages run (a new object for each entry, padded or not): the
+        # batch as it came and its samples; the last stage's loss and metrics of it.
+        real: dict[int, tuple[Any, int]] = {}
+        outputs: dict[int, tuple[Any, dict[str, Any]]] = {}
 
         def evaluated(model: nn.Module, batch: Any) -> Any:
-            outputs[id(batch)] = loss_and_metrics(model, batch)
+            if not isinstance(model, Replay):  # the first stage records the inputs: the padded batch's
+                return loss_and_metrics(model, batch)[0]
+            came, samples = real[id(batch)]
+            outputs[id(batch)] = loss_and_metrics(Replay(_first_rows(model.output, samples)), came)
             return outputs[id(batch)][0]
+
+        def run(group: list[Any]) -> Iterator[tuple[Any, dict[str, Any], int]]:
+            padded = [*group, *[group[-1]] * (self.split.accumulation_steps - len(group))]
+            with torch.no_grad():
+                self._run_schedule(padded, evaluated, self.schedule.eval)
+            for batch in group if self.is_last else ():
+                yield *outputs[id(batch)], real[id(batch)][1]
+            real.clear()
+            outputs.clear()
 
         self._term = _schedule_term
         was_training = self.model.training
@@ -240,17 +258,34 @@ class Pipeline(ShardedState, Collectives):
         try:
             group: list[Any] = []
             for batch in batches:
-                if batch_size_of(batch) != self.split.micro_batch_size:
-                    break  # the last, shorter batch: the stages' shapes are fixed
-                group.append(batch)
+                samples = batch_size_of(batch)
+                full = _padded_rows(batch, samples, self.split.micro_batch_size)
+                real[id(full)] = (batch, samples)
+                group.append(full)
                 if len(group) == self.split.accumulation_steps:
-                    with torch.no_grad():
-                        self._run_schedule(group, evaluated, self.schedule.eval)
-                    for done in group if self.is_last else ():
-                        yield *outputs.pop(id(done)), batch_size_of(done)
+                    yield from run(group)
                     group = []
+            if group:
+                yield from run(group)
         finally:
             self.model.train(was_training)
+
+
+def _padded_rows(batch: Any, samples: int, rows: int) -> Any:
+    """``batch`` with ``rows`` samples: its tensors' batch dimension filled up with its last sample
+    (always a new object, the tensors views where nothing is added)."""
+
+    def pad(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0 or tensor.shape[0] != samples or samples == rows:
+            return tensor.view_as(tensor)
+        return torch.cat([tensor, tensor[-1:].expand(rows - samples, *tensor.shape[1:])])
+
+    return tree_map_only(torch.Tensor, pad, batch)
+
+
+def _first_rows(output: Any, samples: int) -> Any:
+    """The pipeline's output for the first ``samples`` rows (the others were padding)."""
+    return tree_map_only(torch.Tensor, lambda t: t[:samples] if t.dim() else t, output)
 
 
 def _schedule_term(loss: Any, micro: int) -> MicroLoss:

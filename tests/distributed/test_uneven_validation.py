@@ -1,0 +1,38 @@
+"""Every rank runs the same number of validation forwards, whatever the shares: a strategy whose
+forward communicates (fsdp gathers parameters from every rank; a pipeline's stages pass activations)
+must not leave a rank waiting in a collective, nor leave samples out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.distributed.conftest import trained_weights
+
+FIT = ["fit", "--task", "tests.distributed.tasks:UnevenValidation", "--global-batch-size", "8",
+       "--micro-batch-size", "2", "--max-steps", "2", "--progress", "plain", "--logger", "none"]  # fmt: skip
+
+
+def validation(out) -> dict[str, float]:
+    summary = json.loads((out / "summary.json").read_text())
+    return {name: value for name, value in summary.items() if name.startswith("val_")}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[str, float]:
+    out = tmp_path_factory.mktemp("one")
+    trained_weights(out, FIT)
+    return validation(out)
+
+
+@pytest.mark.parametrize("layout", [
+    ["--strategy", "fsdp"],  # 26 and 25 batches: the second rank runs one spare forward
+    ["--strategy", "pipeline", "--pipeline-stages", "2"],  # 51 batches, the last of 1 sample: padded
+])  # fmt: skip
+def test_uneven_validation_shares_validate_as_one_process(tmp_path, one_process, layout):
+    trained_weights(tmp_path, [*FIT, *layout], processes=2)
+    two = validation(tmp_path)
+    assert sorted(two) == sorted(one_process) == ["val_abs_error", "val_loss"]
+    for name, value in one_process.items():
+        assert abs(two[name] - value) <= 1e-12, (name, two[name], value)
