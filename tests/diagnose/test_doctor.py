@@ -50,8 +50,22 @@ class KeepsLosses(RegressionTask):
         return loss
 
 
+@pytest.fixture
+def one_compute_thread():
+    """Torch's compute on one thread, in the thread that loads the data. Beside other work, two
+    compute threads wait for each other at every kernel whenever one of them is descheduled:
+    beside two other 2-thread torch processes on 2 cores, the tiny model's step took up to 0.16 s
+    (0.0025 s on a quiet machine) while loading went from 0.085 to 0.33 s, and the data share fell
+    from 0.97 to 0.68 (0.38 in a failed CI run). On one thread, load slows loading and compute
+    alike: the share stayed between 0.95 and 0.985 under the same load."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.serial  # the verdict weighs measured times: another test beside it would move them
-def test_data_bound_example_is_diagnosed_and_workers_come_first(tmp_path: Path) -> None:
+def test_data_bound_example_is_diagnosed_and_workers_come_first(tmp_path: Path, one_compute_thread) -> None:
     d = doctor(SlowDataTask(size=256), tmp_path, global_batch_size=32, num_workers=0)
     assert d.verdict == "data-bound"
     assert d.phases["data"] > 0.5 * d.phases["total"]

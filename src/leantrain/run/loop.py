@@ -11,6 +11,7 @@ import gc
 import signal
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from leantrain.data.build import load_train_data
@@ -133,18 +134,17 @@ class Run:
         self.model.strategy.module.train()
         self.resumed.restore_rng()  # last, after everything that draws random numbers at set-up
         window = LogWindow(step, time.perf_counter(), observers.compiler.seconds)
+        memory = self.optimization.memory  # what the first step saves for backward is counted
         while step < total:
             done = step + 1
             log_due = done % cfg.log_every_n_steps == 0 or done == total
             task_loss.start_step(done, self.data.split.accumulation_steps)
-            outcome = self.optimization.step(
-                self.optimization.memory.loss_fn(task_loss, loss_fn), batches, step, log_due
-            )
+            outcome = self.optimization.step(memory.loss_fn(task_loss, loss_fn), batches, step, log_due)
             if outcome.status is StepStatus.OUT_OF_MEMORY:
                 batches = self._shrink_micro_batch(step, "out of memory")  # and the same step again
                 continue
-            if (memory := self.optimization.memory.account(self.optimization.optimizer)) is not None:
-                observers.logger.message(memory.describe())
+            if (spent := memory.account(self.optimization.optimizer)) is not None:  # after the first step
+                observers.logger.message(spent.describe())
             if self.optimization.sizer.allocator_struggles():
                 batches = self._shrink_micro_batch(
                     done, "the CUDA allocator retried in several steps in a row"
@@ -174,13 +174,13 @@ class Run:
     def _save_at(self, done: int, stop: bool, signals: StopSignals) -> None:
         """The checkpoint of step ``done`` (if the run keeps checkpoints); after a stop signal, the
         interruption that names it, once it is complete."""
-        path = self.save_checkpoint(done) if self.ctx.cfg.saves_checkpoints else None
+        path = self._save_checkpoint(done) if self.ctx.cfg.saves_checkpoints else None
         if stop:
             self.persistence.saves.wait()  # the message names a complete checkpoint
             received = signals.received or signal.SIGTERM
             raise RunInterrupted(received.name, int(received), done, path and str(path))
 
-    def save_checkpoint(self, done: int) -> Any:
+    def _save_checkpoint(self, done: int) -> Path:
         return self.persistence.save(done, self.model, self.optimization, self.data, self.observers)
 
     def _skipped(self, step: int, status: StepStatus) -> None:
@@ -200,7 +200,7 @@ class Run:
                 f"(checkpoint_every is never); {remedy}, then train again",
                 step=step + 1,
             )
-        path = self.save_checkpoint(step)  # nothing was updated: the state after the step before
+        path = self._save_checkpoint(step)  # nothing was updated: the state after the step before
         self.persistence.saves.wait()
         raise NonFiniteLossError(
             f"the training {what} is not finite at step {step + 1}; the last good state (after step "
