@@ -239,7 +239,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 # `make mutate` runs a mutant's tests until the first fails (-x). mutmut's fork-server runner hands
 # them over in no order, and most tests that reach a function never exercise most of its lines
-# (every fit calls `resume_from`; few resume). So the tests that killed the function's earlier
+# (every fit calls `Persistence.resume`; few resume). So the tests that killed the function's earlier
 # mutants go first, most kills first, then the rest fastest first: a killed mutant runs one or two
 # tests, not the ~60 that reached its function before the one that kills it.
 KILLERS = Path(__file__).resolve().parent.parent / "mutmut-killers.txt"  # in mutmut's mutants/ copy

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import os
 import signal
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -199,3 +200,22 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     train(tmp_path / "run", checkpoint_every=2, keep_checkpoints=2)
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert names == ["step-00000012.pt", "step-00000014.pt"]
+
+
+def test_a_callback_saved_with_the_model_is_read_from_the_resumed_shards(tmp_path):
+    """Under a sharded strategy, a callback split like the model's (the weight average) is saved in
+    the shards; resuming fills its state in place from there, and only from there."""
+    import torch.distributed.checkpoint as dcp
+
+    from leantrain.run.persistence import CALLBACKS_IN_SHARDS, Resumed
+
+    saved = torch.arange(4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one process writing shards: torch says it is not distributed
+        dcp.save({CALLBACKS_IN_SHARDS: {"ema": {"w": saved}}}, checkpoint_id=str(tmp_path / "step.dcp"))
+    resumed = Resumed(step=4, callbacks_in_shards=["ema"], shards=tmp_path / "step.dcp")
+    template = {"w": torch.zeros(4, dtype=torch.float64)}
+    assert resumed.callback_from_shards("ema", template) is template
+    assert torch.equal(template["w"], saved)
+    assert resumed.callback_from_shards("other", {"w": torch.zeros(4)}) is None  # not in the shards
+    assert Resumed(step=4, callbacks_in_shards=["ema"]).callback_from_shards("ema", {}) is None  # no shards

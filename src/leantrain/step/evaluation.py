@@ -104,7 +104,7 @@ def even_forwards(
             last = spare()
         counted.append(has_batch)
         ran += 1
-        yield batch if has_batch else last
+        yield last
 
 
 @torch.no_grad()
