@@ -7,15 +7,24 @@ more. The command owns its process, so it imports with the collector paused, the
 everything imported to the permanent generation (``gc.freeze``), which later collections skip:
 in start-up and in the training loop alike. Nothing imported is garbage, so nothing is lost;
 cycles made afterwards are collected as usual.
+
+The current folder goes first on the import path, as ``python -m leantrain`` puts it (and
+torchrun's workers run that): ``--task mylm:MyTask`` finds ``mylm.py`` where the user stands.
+The ``leantrain`` script would otherwise start with its own folder (the virtualenv's ``bin``) there.
 """
 
 from __future__ import annotations
 
 import gc
+import os
+import sys
 from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
     gc.disable()
     try:
         from leantrain.cli import main as run_command

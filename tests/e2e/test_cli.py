@@ -259,3 +259,35 @@ def test_the_summary_table_shows_values_as_summary_json_holds_them():
     assert [_summary_text(v) for v in (True, False, 1234567, 0.000123456, "single")] == [
         "true", "false", "1,234,567", "0.0001235", "single"
     ]  # fmt: skip
+
+
+TASK_FILE = '''
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+class Tiny:
+    def model(self):
+        return nn.Linear(4, 1)
+
+    def train_data(self):
+        generator = torch.Generator().manual_seed(0)
+        return TensorDataset(torch.randn(32, 4, generator=generator), torch.randn(32, 1, generator=generator))
+
+    def loss(self, model, batch):
+        x, y = batch
+        return ((model(x) - y) ** 2).mean()
+
+    def optimizer(self, params):
+        return torch.optim.SGD(params, lr=0.1)
+'''
+
+
+def test_a_task_file_in_the_current_folder_is_found_as_python_m_finds_it(tmp_path):
+    """README's `--task mod:Class` with a file of one's own, where one stands (no PYTHONPATH)."""
+    (tmp_path / "mytask.py").write_text(TASK_FILE)
+    flags = ["--max-steps", "2", "--global-batch-size", "8", "--logger", "none", "--progress", "none"]
+    done = run("fit", "--task", "mytask:Tiny", *flags, "--out", "out", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 2
