@@ -111,5 +111,5 @@ def test_spare_forwards_leave_the_metrics_as_they_are():
 
 
 def test_a_rank_without_a_batch_and_no_spare_is_refused_by_name():
-    with pytest.raises(ValueError, match="^a rank without validation batches needs a spare batch to run$"):
+    with pytest.raises(ValueError, match=r"^a rank without validation batches needs a spare batch to run$"):
         list(even_forwards([], 1, bool, None, deque()))

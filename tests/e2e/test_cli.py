@@ -261,7 +261,7 @@ def test_the_summary_table_shows_values_as_summary_json_holds_them():
     ]  # fmt: skip
 
 
-TASK_FILE = '''
+TASK_FILE = """
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -281,7 +281,7 @@ class Tiny:
 
     def optimizer(self, params):
         return torch.optim.SGD(params, lr=0.1)
-'''
+"""
 
 
 def test_a_task_file_in_the_current_folder_is_found_as_python_m_finds_it(tmp_path):
