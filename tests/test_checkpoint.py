@@ -371,3 +371,17 @@ def test_export_into_a_path_under_a_file_names_the_out_argument(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(lt.ConfigError, match=r"^invalid out='.*file': is a file; give a folder$"):
         export_checkpoint(tmp_path / "c.pt", tmp_path / "file" / "w.safetensors")
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_weights_get_the_mode_the_umask_gives_every_other_file(tmp_path, mask):
+    """safetensors' writer makes its files 0600 whatever the umask: on a shared cluster, teammates
+    could not read model.safetensors beside a summary.json they can read."""
+    before = os.umask(mask)
+    try:
+        export_weights({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+        (tmp_path / "summary.json").write_text("{}")
+    finally:
+        os.umask(before)
+    modes = {(tmp_path / name).stat().st_mode & 0o777 for name in ("model.safetensors", "summary.json")}
+    assert modes == {0o666 & ~mask}

@@ -124,6 +124,10 @@ def test_the_weights_load_back_into_a_fresh_model_and_export_as_a_transformers_f
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     for name, tensor in exported.items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+    # Readable as the run folder's other files are (safetensors' writer makes its files 0600).
+    written = [result.out_dir / "model.safetensors", *folder.iterdir()]
+    summary_mode = (result.out_dir / "summary.json").stat().st_mode & 0o777
+    assert {path.stat().st_mode & 0o777 for path in written} == {summary_mode}
 
 
 def tiny_gpt2() -> HFCausalLMTask:

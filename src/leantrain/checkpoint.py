@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from leantrain.errors import CheckpointError, TaskError
-from leantrain.files import atomic_write, check_folder, writing
+from leantrain.files import as_the_umask_says, atomic_write, check_folder, writing
 
 FORMAT = "leantrain-checkpoint"
 FORMAT_VERSION = 1
@@ -366,9 +366,17 @@ def export_pretrained(
         ) from None
     out = Path(out)
     check_folder(out, "out")
+    before = _file_times(out)
     with writing("transformers folder", out):
         model.save_pretrained(str(out))
+        for written, mtime in _file_times(out).items():
+            if before.get(written) != mtime:  # its weights: safetensors makes them the owner's only
+                as_the_umask_says(written)
     return out
+
+
+def _file_times(folder: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else {}
 
 
 def check_shards(checkpoint: Path, folder: Path) -> None:

@@ -84,6 +84,28 @@ def writing(what: str, path: Path, needed: int | None = None) -> Iterator[None]:
         raise StorageError(storage_message(what, path, reason, needed)) from error
 
 
+def umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` sets it: a file another thread
+    creates meanwhile would get the wrong mode). Linux shows it in /proc; elsewhere, the one at import."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return _UMASK_AT_IMPORT
+
+
+_UMASK_AT_IMPORT = os.umask(0o022)
+os.umask(_UMASK_AT_IMPORT)
+
+
+def as_the_umask_says(path: Path) -> None:
+    """``path`` readable as any new file of this process would be: some writers (safetensors')
+    create files readable by their owner only, whatever the umask."""
+    os.chmod(path, 0o666 & ~umask())
+
+
 def atomic_write(
     path: Path, write: Callable[[Path], None], what: str = "file", needed: int | None = None
 ) -> None:
@@ -92,7 +114,8 @@ def atomic_write(
     The rename is atomic within one file system: readers see the old file or the new
     one, never a torn one. The folder is fsynced so that the rename itself survives a
     power loss. ``needed`` (bytes, when known in advance) is checked against the free space
-    first, so that nothing is written when it cannot fit; a refused write is a StorageError.
+    first, so that nothing is written when it cannot fit; a refused write is a StorageError. The
+    file's mode follows the umask, whoever wrote it (teammates read the weights on a shared cluster).
     """
     path = Path(path)
     if needed is not None:
@@ -101,6 +124,7 @@ def atomic_write(
     with writing(what, path, needed):
         try:
             write(tmp)
+            as_the_umask_says(tmp)
             with tmp.open("rb") as handle:
                 os.fsync(handle.fileno())
             os.replace(tmp, path)
