@@ -385,3 +385,14 @@ def test_weights_get_the_mode_the_umask_gives_every_other_file(tmp_path, mask):
         os.umask(before)
     modes = {(tmp_path / name).stat().st_mode & 0o777 for name in ("model.safetensors", "summary.json")}
     assert modes == {0o666 & ~mask}
+
+
+def test_a_plain_pickle_is_one_line_without_torchs_warning_before_it(tmp_path, recwarn):
+    """torch warns about a pickle of another protocol than its own before it fails to read it: the
+    user would get two lines of torch's before leantrain's one."""
+    path = tmp_path / "notes.pt"
+    with path.open("wb") as handle:
+        pickle.dump({"step": 1}, handle, protocol=4)
+    with pytest.raises(lt.CheckpointError, match=r"notes.pt is corrupt or truncated"):
+        load_checkpoint(path)
+    assert [str(w.message) for w in recwarn] == []

@@ -15,6 +15,7 @@ import random
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,11 +114,31 @@ def check_checkpoint_file(path: Path) -> None:
 
 
 def load_checkpoint(path: Path | str) -> dict[str, Any]:
-    """Load a checkpoint safely; CheckpointError (one line, naming the file) when it is unusable."""
+    """Load a checkpoint safely; CheckpointError (one line, naming the file) when it is unusable.
+
+    What torch warns while reading (a plain pickle of another protocol than its own) is held back
+    until the file is known to be a checkpoint: before the one line that says it is not, it would
+    only be noise."""
     path = Path(path)
     check_checkpoint_file(path)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        state = _read(path)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a leantrain checkpoint")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {state.get('format_version')}; "
+            f"this leantrain reads version {FORMAT_VERSION}"
+        )
+    for warning in said:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return state
+
+
+def _read(path: Path) -> Any:
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         # weights_only refuses any object that is not a tensor or a plain value: this is
         # where a file crafted to run code on unpickling is stopped. Random bytes fail here
@@ -134,14 +155,6 @@ def load_checkpoint(path: Path | str) -> dict[str, Any]:
         # Arbitrary bytes reach the unpickler's internals (IndexError, KeyError, struct.error,
         # ...): whatever it raises, the file is unusable, and weights_only ran no code.
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({_first_line(error)})") from error
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a leantrain checkpoint")
-    if state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {path} has format version {state.get('format_version')}; "
-            f"this leantrain reads version {FORMAT_VERSION}"
-        )
-    return state
 
 
 def check_compatible(state: dict[str, Any], path: Path, config: dict[str, Any], dataset_size: int) -> None:
