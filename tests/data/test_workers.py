@@ -53,9 +53,13 @@ def test_auto_prefetch_keeps_two_steps_in_flight():
     assert auto_prefetch(workers=8, accumulation_steps=1) == 2
 
 
-def test_tune_candidates_go_up_to_twice_the_share():
-    assert tune_candidates(2, 1) == [0, 1, 2, 4]
-    assert tune_candidates(8, 4) == [0, 1, 2, 4]
+def test_tune_candidates_go_up_to_the_share_of_the_cpus():
+    """4 workers on 2 CPUs won a trial by chance and torch warned that its suggested maximum is 2."""
+    assert tune_candidates(2, 1) == [0, 1, 2]
+    assert tune_candidates(8, 4) == [0, 1, 2]
+    assert tune_candidates(6, 1) == [0, 1, 2, 4, 6]
+    assert tune_candidates(2, 2) == [0, 1]
+    assert tune_candidates(1, 4) == [0, 1]
 
 
 class Sleepy(Dataset):

@@ -83,13 +83,17 @@ class TuneResult:
 
 
 def tune_candidates(cpus: int, processes_per_node: int) -> list[int]:
-    """0, then powers of two, up to twice this process's share of the CPUs."""
-    limit = max(1, 2 * cpus // max(processes_per_node, 1))
+    """0, then powers of two up to this process's share of the CPUs, and the share itself.
+
+    Not more: on CPU-bound items, workers beyond the CPUs only take turns (a trial may still time
+    one faster by chance), and torch warns against more workers than CPUs. Items that wait on
+    storage or the network can use more: ``--num-workers N`` sets them."""
+    share = cpus_per_process(processes_per_node, cpus)
     candidates, count = [0], 1
-    while count <= limit:
+    while count < share:
         candidates.append(count)
         count *= 2
-    return candidates
+    return [*candidates, share]
 
 
 def tune_workers(
