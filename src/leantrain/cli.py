@@ -11,11 +11,13 @@ in one line. Errors caused by the user's input print that line and exit with cod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 import typing
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +34,14 @@ from leantrain.data.cache import prepare_cache, task_source
 from leantrain.data.limits import check_num_workers
 from leantrain.data.workers import auto_workers
 from leantrain.diagnose.probe import DEFAULT_STEPS, DEFAULT_WARMUP, TRACED_STEPS
-from leantrain.errors import ConfigError, LeantrainError, RunInterrupted, StorageError, TaskError
+from leantrain.errors import (
+    ConfigError,
+    LeantrainError,
+    LeantrainWarning,
+    RunInterrupted,
+    StorageError,
+    TaskError,
+)
 from leantrain.examples import DEFAULT_EXAMPLE, EXAMPLES, load_example
 from leantrain.extensions.weight_average import averaged_weights
 from leantrain.files import check_folder
@@ -503,6 +512,30 @@ def list_examples(console: Console) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    with _warnings_as_lines():
+        return _main(argv)
+
+
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """leantrain's own warnings as one line each, as its errors are (``leantrain: warning: ...``),
+    not Python's two lines with the file, the line number and the source line that raised them."""
+    show = warnings.showwarning
+
+    def shown(message: Warning | str, category: type[Warning], *where: Any, **options: Any) -> None:
+        if not issubclass(category, LeantrainWarning):
+            return show(message, category, *where, **options)
+        file = options.get("file") or (where[2] if len(where) > 2 else None) or sys.stderr
+        print(f"leantrain: warning: {message}", file=file, flush=True)
+
+    warnings.showwarning = shown
+    try:
+        yield
+    finally:
+        warnings.showwarning = show
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         args = ["fit"]  # `leantrain` alone trains the default example

@@ -7,9 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
-from leantrain.cli import build_parser
+from leantrain.cli import build_parser, main
 
 LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
 
@@ -291,3 +292,19 @@ def test_a_task_file_in_the_current_folder_is_found_as_python_m_finds_it(tmp_pat
     done = run("fit", "--task", "mytask:Tiny", *flags, "--out", "out", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 2
+
+
+def test_leantrain_warnings_are_one_line_as_its_errors_are(tmp_path, capfd):
+    """Python shows a warning as two lines: the file and line that raised it, then that source line.
+    The command shows leantrain's own as one line (an out-of-memory halving said the new split in
+    a form users overlooked); Python's own display is back once the command returns."""
+    task = "tests.distributed.tasks:nan_in_second_half_of_step3"  # step 3's loss is NaN
+    flags = ["--global-batch-size", "16", "--micro-batch-size", "8", "--max-steps", "4", "--on-nan", "skip"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        python_display = warnings.showwarning
+        assert main(["fit", "--task", task, *flags, "--out", str(tmp_path / "run"), "--logger", "none"]) == 0
+        assert warnings.showwarning is python_display
+    err = capfd.readouterr().err
+    assert "leantrain: warning: step 3 skipped: the training loss is not finite\n" in err
+    assert "LeantrainWarning" not in err
