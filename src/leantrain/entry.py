@@ -15,20 +15,29 @@ The ``leantrain`` script would otherwise start with its own folder (the virtuale
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
 from collections.abc import Sequence
+
+from leantrain.stop_signals import StopSignals
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     here = os.getcwd()
     if here not in sys.path:
         sys.path.insert(0, here)
-    gc.disable()
-    try:
-        from leantrain.cli import main as run_command
-    finally:
-        gc.freeze()
-        gc.enable()
-    return run_command(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    # A run stops at a step boundary on SIGTERM/SIGUSR1, saying so; armed before torch's import,
+    # a signal during the set-up stops it there too (the default action ends it without a word).
+    # The other commands keep the default action: they have no step boundary to stop at.
+    training = not args or args[0] in ("fit", "doctor")
+    with StopSignals() if training else contextlib.nullcontext():
+        gc.disable()
+        try:
+            from leantrain.cli import main as run_command
+        finally:
+            gc.freeze()
+            gc.enable()
+        return run_command(args)

@@ -89,14 +89,29 @@ class LeantrainWarning(UserWarning):
 class RunInterrupted(Exception):
     """Training stopped on a signal (SIGTERM, SIGUSR1), after saving a checkpoint unless told never to.
 
-    Not a LeantrainError: nothing was wrong with the input, and the run can go on.
+    Not a LeantrainError: nothing was wrong with the input, and the run can go on. ``set_up_only``:
+    the signal came while the run was set up, and it stopped before training (nothing to save).
     """
 
-    def __init__(self, signal_name: str, signal_number: int, step: int, checkpoint: str | None) -> None:
+    def __init__(
+        self,
+        signal_name: str,
+        signal_number: int,
+        step: int,
+        checkpoint: str | None,
+        set_up_only: bool = False,
+    ) -> None:
         self.signal_name = signal_name
         self.signal_number = signal_number
         self.step = step
-        self.checkpoint = checkpoint  # None: checkpoint_every is never, nothing was saved
+        self.checkpoint = checkpoint  # None: checkpoint_every is never, or nothing was trained
+        if set_up_only:
+            again = "start it again with --resume auto" if step else "start it again"
+            super().__init__(
+                f"stopped by {signal_name} while the run was set up, before step {step + 1}: nothing "
+                f"was trained; {again}"
+            )
+            return
         where = (
             f"checkpoint {checkpoint}; continue with --resume auto"
             if checkpoint is not None

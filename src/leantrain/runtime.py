@@ -1,17 +1,14 @@
 """The process's surroundings: device, seeding, deterministic kernels, compute threads, peak
-memory, stop signals."""
+memory (stop signals: ``stop_signals.py``)."""
 
 from __future__ import annotations
 
 import os
 import random
 import resource
-import signal
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 import torch
@@ -195,34 +192,3 @@ def peak_memory_bytes(device: torch.device) -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
-
-
-class StopSignals:
-    """Catches SIGTERM and SIGUSR1 (sent by schedulers before pre-emption) during training.
-
-    The handler only records the signal; the loop checks ``received`` after each optimizer
-    step, saves a checkpoint and stops cleanly. Handlers can only be installed from the
-    main thread; elsewhere the signals keep their previous behaviour.
-    """
-
-    SIGNALS = ("SIGTERM", "SIGUSR1")
-
-    def __init__(self) -> None:
-        self.received: signal.Signals | None = None
-        self._previous: dict[signal.Signals, Any] = {}
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for name in self.SIGNALS:
-                number = getattr(signal, name, None)
-                if number is not None:
-                    self._previous[number] = signal.signal(number, self._record)
-        return self
-
-    def _record(self, number: int, frame: Any) -> None:
-        self.received = signal.Signals(number)
-
-    def __exit__(self, *exc: object) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-        self._previous.clear()

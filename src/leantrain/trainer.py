@@ -23,7 +23,6 @@ from leantrain.run.preflight import check_machine
 from leantrain.run.results import FitResult
 from leantrain.run.watchdog import process_group_timeout
 from leantrain.runtime import (
-    StopSignals,
     allocator_cap_lifted_after,
     compute_threads_restored,
     deterministic_kernels,
@@ -31,6 +30,7 @@ from leantrain.runtime import (
     resolve_device,
     seed_everything,
 )
+from leantrain.stop_signals import StopSignals
 from leantrain.strategies.process_group import init_process_group
 from leantrain.strategies.registry import check_config
 from leantrain.task import check_task
@@ -74,13 +74,14 @@ class Trainer:
                 matmul_reduction(cfg.reduced_precision_reduction),
                 allocator_cap_lifted_after(device),
                 compute_threads_restored(),
+                StopSignals() as signals,  # from set-up to the summary: acted on at step boundaries
             ):
                 seed_everything(cfg.seed)
                 dims = strategy.dims(cfg, env.world_size)
                 ctx = RunContext(cfg, task, env, device, run_dir, dims, self.instruments, started)
                 run = Run(ctx, strategy, self.callbacks)
                 try:
-                    result = _train(run)
+                    result = _train(run, signals)
                 except StorageError as error:
                     raise StorageError(f"{error}; {run.persistence.recovery()}") from error
             if created_group:
@@ -98,10 +99,9 @@ class Trainer:
                 dist.destroy_process_group()
 
 
-def _train(run: Run) -> FitResult:
+def _train(run: Run, signals: StopSignals) -> FitResult:
     try:
-        with StopSignals() as signals:
-            run.train(signals)
+        run.train(signals)
     except BaseException:
         run.observers.logger.close_after_error()
         # The error's traceback holds the run in a reference cycle: left to the collector, each

@@ -30,10 +30,10 @@ from leantrain.run.hooks import Callback, StepStats
 from leantrain.run.observers import LogWindow
 from leantrain.run.persistence import Persistence
 from leantrain.run.results import FitResult, fit_result
-from leantrain.runtime import StopSignals
 from leantrain.step.accumulator import StepOutcome, StepStatus, TaskLoss
 from leantrain.step.batching import BatchSplit
 from leantrain.step.evaluation import evaluate
+from leantrain.stop_signals import StopSignals
 from leantrain.strategies.base import Strategy
 
 
@@ -126,6 +126,9 @@ class Run:
         if (early := observers.stop_reason()) is not None:  # a resume of a run that stopped early
             observers.logger.message(f"{early}; the checkpoint is where it ended: nothing more to train")
             return
+        if self._stop_requested(signals, step, checkpoint_due=True):  # a signal while it was set up
+            received = signals.received or signal.SIGTERM
+            raise RunInterrupted(received.name, int(received), step, None, set_up_only=True)
         task_loss = TaskLoss(self.ctx.task)
         loss_fn = observers.heartbeat.after(
             self.ctx.instruments.loss(self.optimization.sizer.enforce_budget(task_loss))
