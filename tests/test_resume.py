@@ -196,6 +196,24 @@ def test_a_finished_run_folder_needs_resume_to_be_reused(tmp_path):
         train(tmp_path / "run", max_steps=2)
 
 
+def test_a_run_that_died_before_its_first_checkpoint_says_what_to_type_and_starts_again(tmp_path):
+    """A run ended by an error before any checkpoint leaves only its log: the corrected command is
+    refused with the exact flag that starts it again there, and that flag does."""
+
+    class Fails:
+        def on_step(self, stats: lt.StepStats) -> None:
+            raise KeyboardInterrupt  # as Ctrl-C during step 1
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "run", [Fails()], checkpoint_every=4)
+    assert (tmp_path / "run" / "metrics.csv").exists()
+    message = r"holds a run that ended before its first checkpoint \(metrics.csv.*add --resume auto to start"
+    with pytest.raises(lt.LeantrainError, match=message):
+        train(tmp_path / "run", checkpoint_every=4)
+    again = train(tmp_path / "run", checkpoint_every=4, resume="auto")
+    assert_same_parameters(again.model, train(tmp_path / "fresh", checkpoint_every=4).model)
+
+
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     train(tmp_path / "run", checkpoint_every=2, keep_checkpoints=2)
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
