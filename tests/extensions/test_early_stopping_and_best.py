@@ -137,6 +137,24 @@ def test_options_that_only_work_together_are_one_line_errors(fields, message):
         lt.TrainConfig(**fields)
 
 
+@pytest.mark.parametrize("field", ["early_stop_metric", "best_metric"])
+def test_a_watched_metric_the_task_lacks_fails_before_the_first_step(tmp_path, field):
+    """It failed at the first validation, after training had run (and left no checkpoint)."""
+    steps = []
+
+    class Counts:
+        def on_step(self, stats: lt.StepStats) -> None:
+            steps.append(stats.step)
+
+    expected = (
+        rf"{field}='val_nope': is not a validation metric of this task \(it has val_accuracy, val_loss\)"
+    )
+    with pytest.raises(lt.ConfigError, match=expected):
+        needs = {"keep_best": 1} if field == "best_metric" else {}
+        train(tmp_path / "run", STALLS, (Counts(),), **needs, **{field: "val_nope"})
+    assert steps == []
+
+
 def test_a_metric_the_task_lacks_or_no_validation_data_is_a_one_line_error(tmp_path):
     expected = r"early_stop_metric='val_f1': is not a validation metric of this task \(it has val_accuracy, "
     with pytest.raises(lt.ConfigError, match=expected):

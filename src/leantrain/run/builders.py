@@ -52,6 +52,7 @@ from leantrain.runtime import derived_seed, leave_cpus_to_workers, seed_everythi
 from leantrain.step.batch_norm import batch_norm_layers
 from leantrain.step.batching import BatchSplit
 from leantrain.step.compilation import CompileWatch, compile_model
+from leantrain.step.evaluation import metric_names
 from leantrain.step.precision import Precision, make_precision
 from leantrain.strategies.base import Example, Strategy
 from leantrain.strategies.process_group import group_store
@@ -233,6 +234,7 @@ def build_observers(
         model=model.model,
         optimizer_params=optimization.params,
         precision=model.precision,
+        validation_names=lambda: _validation_names(ctx, model, data),
     )
     all_callbacks = [*built_ins, *callbacks]
     if resumed.step:
@@ -247,3 +249,9 @@ def build_observers(
     )  # fmt: skip
     health = PrecisionHealth(persistence.progress, logger.warning)
     return Observers(logger, all_callbacks, health, heartbeat, compiler, watchdog)
+
+
+def _validation_names(ctx: RunContext, model: ModelPart, data: DataPart) -> list[str]:
+    """The metrics validation will log, from one validation batch (see ``metric_names``)."""
+    batches, _, spare = data.validation_batches(Heartbeat())
+    return metric_names(model.strategy, ctx.task, batches, model.precision, spare)

@@ -33,11 +33,14 @@ def built_in_callbacks(
     model: nn.Module,
     optimizer_params: list[torch.Tensor],
     precision: Precision,
+    validation_names: Callable[[], list[str]],
 ) -> list[Any]:
     """The weight average, early stopping and best checkpoints on every process (they decide
     alike, from reduced validation metrics, and saving is collective); trackers on rank 0 only.
     ``optimizer_params`` line up with ``model``'s parameters (the masters of the true 16-bit modes
-    are made from them, in order)."""
+    are made from them, in order). ``validation_names()``: the metrics validation logs (a forward
+    of one batch, on every process), asked only to check a watched metric other than val_loss
+    before training rather than at the first validation."""
     callbacks: list[Any] = []
     needs_validation = (
         ("early_stop_metric", cfg.early_stop_metric),
@@ -54,16 +57,23 @@ def built_in_callbacks(
                 cfg.ema_decay, names, optimizer_params, precision, write_weights, warn, cfg.ema_validate
             )
         )
+    watches = []
     if cfg.early_stop_metric is not None:
         stalls = MetricWatch(
             cfg.early_stop_metric, cfg.early_stop_mode, "early_stop_metric", cfg.early_stop_min_delta
         )
         callbacks.append(EarlyStopping(stalls, cfg.early_stop_patience))
+        watches.append(stalls)
     if cfg.best_metric is not None:
         watch = MetricWatch(cfg.best_metric, cfg.best_mode, "best_metric")
         callbacks.append(
             BestCheckpoints(watch, cfg.keep_best, checkpoints, lambda: write_weights("best.safetensors"))
         )
+        watches.append(watch)
+    if any(watch.metric != "val_loss" for watch in watches):  # val_loss is always there
+        logged = dict.fromkeys(validation_names(), 0.0)
+        for watch in watches:
+            watch.value_in(logged)  # a ConfigError naming the field and what there is
     if is_main:
         callbacks += open_trackers(cfg, run_dir, warn)
     return callbacks

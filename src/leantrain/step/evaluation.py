@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
@@ -147,3 +148,28 @@ def evaluate(
             merged[name][0] += total
             merged[name][1] += weight
     return {f"val_{name}": total / max(weight, 1e-12) for name, (total, weight) in sorted(merged.items())}
+
+
+@torch.no_grad()
+def metric_names(
+    strategy: EvalStrategy, task: Any, batches: Iterable[Any], precision: Precision, spare: Callable[[], Any]
+) -> list[str]:
+    """The names validation will log (``val_loss``, ``val_<metric>``), from the task's ``metrics``
+    on this process's first validation batch (``spare`` where it has none): what a setting that
+    watches a metric can be checked against before training. The loss is not computed: its name
+    is always ``val_loss``. Through the strategy, as validation runs (a sharded forward gathers
+    from every rank; a pipeline's last stage holds the names, and the gather brings them)."""
+    metrics_fn = getattr(task, "metrics", None)
+    names = {"loss"}
+    if callable(metrics_fn):
+
+        def metrics_only(model: nn.Module, batch: Any) -> tuple[Any, dict[str, Any]]:
+            extra = call_task("task.metrics", metrics_fn, model, batch, where="in validation", batch=batch)
+            return torch.zeros(()), extra
+
+        first = itertools.islice(batches, 1)
+        fed = even_forwards(first, 1, strategy.any_rank, spare, deque())
+        for _, extra, _ in strategy.forward_only(metrics_only, fed, precision):
+            names.update(extra)
+    every = set().union(*strategy.gather(sorted(names)))
+    return [f"val_{name}" for name in sorted(every)]
