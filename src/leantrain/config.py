@@ -205,8 +205,8 @@ class TrainConfig:
     mlflow_uri: str | None = _field(
         None,
         "logging",
-        "with logger mlflow: the tracking URI (a server, sqlite:///x.db, a folder); null: an mlruns folder "
-        "in the run folder",
+        "with logger mlflow: the tracking URI (a server, sqlite:///x.db, a folder); null: the sqlite "
+        "file mlflow.db in the run folder",
     )
     wandb_project: str | None = _field(
         None,

@@ -88,10 +88,10 @@ def test_the_cli_prints_one_json_object_with_the_recommendation(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes"):
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "total_bytes"):
         assert isinstance(result[key], int) and result[key] > 0
     assert result["total_bytes"] == sum(
-        result[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+        result[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")
     )
     assert result["recommended_micro_batch_size"] == 32
     bad = subprocess.run(

@@ -54,11 +54,7 @@ class EstimateRow:
         return {
             "micro_batch_size": self.micro_batch_size,
             "activation_checkpointing": self.activation_checkpointing,
-            "params_bytes": memory.params_bytes,
-            "grads_bytes": memory.grads_bytes,
-            "optimizer_bytes": memory.optimizer_bytes,
-            "activations_bytes": memory.activation_bytes,
-            "ema_bytes": memory.ema_bytes,
+            **memory.as_dict(),  # the names summary.json gives the same bytes
             "total_bytes": memory.total_bytes,
             "fits": self.fits,
         }
