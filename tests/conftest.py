@@ -183,6 +183,13 @@ def quiet_config(out_dir: Path, **fields: Any) -> lt.TrainConfig:
 
 
 @pytest.fixture
+def native_16_bit_cpu(monkeypatch):
+    """A CPU with bf16 and fp16 matrix instructions, as far as leantrain can tell: tests of what a
+    16-bit run warns about would otherwise also see the warning about this machine's CPU."""
+    monkeypatch.setattr("leantrain.runtime.native_16_bit", lambda kind: True)
+
+
+@pytest.fixture
 def fit(tmp_path: Path):
     """fit(task, **config_fields) -> FitResult, each call in its own run folder."""
     counter = iter(range(1000))

@@ -349,12 +349,12 @@ def test_underflowing_fp16_gradients_are_warned_about(fit):
     assert [m["grad_underflow_share"] for m in recorder.logs] == [1.0, 1.0]
 
 
-def test_a_healthy_fp16_run_warns_nothing(fit, recwarn):
+def test_a_healthy_fp16_run_warns_nothing(fit, recwarn, native_16_bit_cpu):
     fit(TinyClassifier(), precision="16-mixed", global_batch_size=32, max_steps=8, log_every_n_steps=2)
     assert not [w for w in recwarn if issubclass(w.category, lt.LeantrainWarning)]
 
 
-def test_the_scale_settling_at_the_start_is_counted_but_not_warned_about(fit, recwarn):
+def test_the_scale_settling_at_the_start_is_counted_but_not_warned_about(fit, recwarn, native_16_bit_cpu):
     """A token-level LossSum backpropagates a sum over many tokens: the first steps overflow."""
     task = CharLMTask(block=32, layers=2, width=64, heads=4, max_chars=60_000)
     result = fit(task, precision="16-mixed", global_batch_size=16, max_steps=12, log_every_n_steps=4)
@@ -402,7 +402,7 @@ class PartlyFrozen(TinyClassifier):
 
 
 @pytest.mark.parametrize("name", ["bf16-true", "16-true"])
-def test_a_partly_frozen_model_trains_in_true_16_bit(fit, recwarn, name):
+def test_a_partly_frozen_model_trains_in_true_16_bit(fit, recwarn, name, native_16_bit_cpu):
     task = PartlyFrozen()
     torch.manual_seed(0)
     initial = task.model().state_dict()

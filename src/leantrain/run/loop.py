@@ -30,6 +30,7 @@ from leantrain.run.hooks import Callback, StepStats
 from leantrain.run.observers import LogWindow
 from leantrain.run.persistence import Persistence
 from leantrain.run.results import FitResult, fit_result
+from leantrain.runtime import emulated_precision
 from leantrain.step.accumulator import StepOutcome, StepStatus, TaskLoss
 from leantrain.step.batching import BatchSplit
 from leantrain.step.evaluation import evaluate
@@ -77,6 +78,8 @@ class Run:
         notes = self.model.setup_lines() + self.optimization.notes + self.optimization.sizer.notes
         for note in notes + self.data.train.notes + self.resumed.notes:
             logger.message(note)
+        if (slow := emulated_precision(self.model.precision.name, ctx.device)) is not None:
+            logger.warning(slow)
         self._warn_about_batch_norm()
 
     def _warn_about_batch_norm(self) -> None:
