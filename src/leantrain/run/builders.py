@@ -5,11 +5,13 @@ optimizer over what the strategy made of it, then the resume (``Persistence.resu
 the model and optimizer, and tells where the run starts), the data from that step on, and the
 observers last (they log what the others decided).
 
-1. ``build_model_part``: the task's model, its precision (true 16-bit converts it; the optimizer
+1. ``prepare_model``: the task's model, its precision (true 16-bit converts it; the optimizer
    then gets fp32 masters), activation checkpointing (``auto`` resolved here), ``--compile``
-   (``step/compilation.py``), then the strategy, which wraps or cuts it as it will run (a strategy
-   that traces the model gets the task's loss and a first micro-batch: ``example_of``); every rank
-   draws its own random numbers from there on;
+   (``step/compilation.py``). It comes before the training data is loaded: ``task.model()``
+   draws its initial weights first, whatever ``task.train_data()`` draws;
+   ``build_model_part``: the strategy, which wraps or cuts the prepared model as it will run (a
+   strategy that traces the model gets the task's loss and a first micro-batch: ``example_of``);
+   every rank draws its own random numbers from there on;
 2. ``build_optimization``: the optimizer over what the strategy says it updates, learning-rate
    scaling, the task's scheduler, and the memory policy that sizes the micro-batch;
 3. ``build_data``: the loaders from the resumed step on, cut as the (searched) split says;
