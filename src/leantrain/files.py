@@ -3,6 +3,7 @@ that the places it will write to can be written."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -102,8 +103,10 @@ os.umask(_UMASK_AT_IMPORT)
 
 def as_the_umask_says(path: Path) -> None:
     """``path`` readable as any new file of this process would be: some writers (safetensors')
-    create files readable by their owner only, whatever the umask."""
-    os.chmod(path, 0o666 & ~umask())
+    create files readable by their owner only, whatever the umask. Best effort: a file system
+    without modes (some network mounts) refuses it, and the file is written all the same."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o666 & ~umask())
 
 
 def atomic_write(
