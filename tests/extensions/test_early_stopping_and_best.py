@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,20 @@ def test_a_stalled_metric_stops_the_run_after_a_checkpoint(tmp_path):
     assert checkpoint_steps(tmp_path / "run")[-1] == 10
     rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
     assert rows[-1].startswith("10,")
+
+
+def test_a_stop_between_log_points_logs_its_last_steps(tmp_path):
+    """Stopped at step 10 with log points every 50 steps: the summary had a NaN final_train_loss
+    and 1.9e11 samples/s (no window was timed), and metrics.csv no training row."""
+    result = train(tmp_path / "run", STALLS, early_stop_metric="val_loss", early_stop_patience=3,
+                   log_every_n_steps=50)  # fmt: skip
+    assert (result.steps, result.stopped_early) == (10, True)
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    [trained] = [row for row in rows if row["train_loss"]]
+    assert trained["step"] == "10" and float(trained["samples_per_second"]) == pytest.approx(
+        result.samples_per_second, rel=0.5
+    )
+    assert math.isfinite(result.final_train_loss) and result.samples_per_second < 1e7
 
 
 def test_min_delta_and_mode_decide_what_counts_as_an_improvement(tmp_path):

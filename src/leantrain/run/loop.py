@@ -174,6 +174,8 @@ class Run:
             if early is not None:
                 observers.logger.message(early)
                 break
+        if window.first_step < step:  # stopped early between log points: its last steps are logged too
+            self._log_point(step, window, outcome)
         if self.data.validation is not None and self.data.start_step == total:
             self._validate(total)  # resumed after the last step: not validated yet
 
