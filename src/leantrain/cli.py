@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import typing
 import warnings
@@ -589,6 +590,11 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"leantrain: {stop}", code=128 + stop.signal_number)
     except KeyboardInterrupt:
         return _fail("leantrain: interrupted", code=130)
+    except BrokenPipeError:
+        # Standard output's reader went away (`leantrain fit | head`): stop as a pipe's writer does,
+        # with the shell's code for SIGPIPE, and without Python's report of the failed flush at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _fail("leantrain: stopped: its standard output was closed (the reader ended)", code=128 + 13)
     return 0
 
 

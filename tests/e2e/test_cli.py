@@ -308,3 +308,22 @@ def test_leantrain_warnings_are_one_line_as_its_errors_are(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "leantrain: warning: step 3 skipped: the training loss is not finite\n" in err
     assert "LeantrainWarning" not in err
+
+
+def test_a_closed_standard_output_stops_the_run_with_one_line(tmp_path):
+    """`leantrain fit | head -2` ended in a BrokenPipeError traceback (exit 1)."""
+    flags = ["--max-steps", "400", "--log-every-n-steps", "1", "--progress", "plain", "--logger", "none"]
+    process = subprocess.Popen([LEANTRAIN, "fit", *flags, "--out", "out"], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    for line in process.stdout:
+        if line.startswith("step 2/"):
+            break
+    process.stdout.close()  # as head does after its lines
+    stderr = process.stderr.read()
+    assert process.wait(timeout=120) == 141, stderr
+    assert (
+        stderr.strip().splitlines()[-1]
+        == "leantrain: stopped: its standard output was closed (the reader ended)"
+    )
+    assert "Traceback" not in stderr
