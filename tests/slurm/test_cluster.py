@@ -132,5 +132,6 @@ def test_a_job_near_its_time_limit_checkpoints_requeues_and_resumes_bit_identica
     actual = load_file(tmp_path / "job" / "model.safetensors")
     difference = max(float((actual[name] - expected[name]).abs().max()) for name in expected)
     assert difference == 0
-    print(f"SLURM job {job}: requeued {requeues} time(s), resumed after steps {', '.join(map(str, resumed))}; "
+    steps = ", ".join(map(str, resumed))
+    print(f"SLURM job {job}: requeued {requeues} time(s), resumed after steps {steps}; "
           f"final weight difference {difference}; the job took {took:.0f} s")  # fmt: skip
