@@ -121,12 +121,13 @@ def test_a_job_near_its_time_limit_checkpoints_requeues_and_resumes_bit_identica
     output = (tmp_path / "job" / f"slurm-{job}.out").read_text()
     requeues = output.count("time limit near: checkpointing and requeueing")
     assert requeues >= 1 and restarts >= 1, output[-3000:]
-    # Every checkpoint a warning made is where the next launch resumed, in order. A warning that came
+    # Every checkpoint a warning made is where a later launch resumed, in order. A warning that came
     # before a launch saved anything (its workers not up yet, or still set up) makes no checkpoint:
-    # the next launch starts where the one before it did, so it adds no new resume step.
+    # the next launch starts where the one before it did. One that came after the last step (the
+    # run's final checkpoint written) makes a launch that resumes after step 1600 and trains nothing.
     saved = {int(step) for step in re.findall(r"stopped by SIGUSR1 after step (\d+); checkpoint", output)}
     resumed = [int(step) for step in re.findall(r"resumed after step (\d+)", output)]
-    assert saved and set(resumed) == saved and resumed == sorted(resumed), output[-3000:]
+    assert saved and saved <= set(resumed) and resumed == sorted(resumed), output[-3000:]
     launch_here("--nproc-per-node", "2", *FIT, *task, "--out", str(tmp_path / "uninterrupted"))
     expected = load_file(tmp_path / "uninterrupted" / "model.safetensors")
     actual = load_file(tmp_path / "job" / "model.safetensors")
