@@ -213,6 +213,19 @@ class TrainConfig:
         "logging",
         "with logger wandb: the W&B project; null: leantrain (WANDB_MODE=offline is honoured)",
     )
+    tracker_timeout: float = _field(
+        30.0,
+        "logging",
+        "with logger mlflow or wandb: seconds a tracker may take to answer; one still silent after that "
+        "is switched off with a warning (training never waits for it), and the end of the run waits "
+        "at most this long for its last rows and summary (metrics.csv has every value)",
+    )
+    tracker_required: bool = _field(
+        False,
+        "logging",
+        "with logger mlflow or wandb: stop before training (one line, exit 2) when a tracker cannot be "
+        "reached within tracker_timeout; false: train anyway, with a warning",
+    )
     hang_timeout: float = _field(
         1800.0,
         "parallel",
@@ -325,6 +338,8 @@ class TrainConfig:
         ):
             if value is not None and needs not in self.loggers:
                 raise ConfigError(name, value, f"needs logger {needs}")
+        if self.tracker_required and not {"mlflow", "wandb"} & set(self.loggers):
+            raise ConfigError("tracker_required", True, "needs logger mlflow or wandb")
         watched = {"best_metric": self.best_metric, "early_stop_metric": self.early_stop_metric}
         for name, metric in watched.items():
             if metric is not None and not metric.startswith("val_"):
@@ -423,6 +438,7 @@ _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "early_stop_patience": (_positive, "must be a positive integer"),
     "early_stop_min_delta": (lambda v: 0 <= v < math.inf, "must be 0 or a positive finite number"),
     "hang_timeout": (lambda v: 0 <= v < math.inf, "must be 0 (off) or a positive number of seconds"),
+    "tracker_timeout": (lambda v: 0 < v < math.inf, "must be a positive number of seconds"),
     "ema_decay": (lambda v: 0 < v < 1, "must be between 0 and 1 (exclusive), e.g. 0.999"),
     "logger": (
         lambda v: v == "none" or (bool(v) and set(v.split(",")) <= set(LOGGERS)),

@@ -174,6 +174,8 @@ FROZEN_FIT_FLAGS = {
     "--logger",
     "--mlflow-uri",
     "--wandb-project",
+    "--tracker-timeout",
+    "--tracker-required",
     "--checkpoint-every",
     "--keep-checkpoints",
     "--resume",

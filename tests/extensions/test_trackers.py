@@ -65,18 +65,17 @@ def test_a_tracker_that_fails_mid_run_warns_once_and_training_goes_on(tmp_path, 
         raise ConnectionError("API request to http://tracking:5000 failed")
 
     monkeypatch.setattr(MLflowTracker, "log", server_down)
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = lt.Trainer(
-            quiet_config(
-                tmp_path / "run", **RUN, logger="mlflow", mlflow_uri=f"sqlite:///{tmp_path / 'm.db'}"
-            )
-        ).fit(TinyClassifier())
+        result = lt.Trainer(quiet_config(tmp_path / "run", **RUN, logger="mlflow", mlflow_uri=uri)).fit(
+            TinyClassifier()
+        )
     assert result.steps == 8 and calls == [2]  # switched off after the first failure
     texts = [str(w.message) for w in caught if issubclass(w.category, lt.LeantrainWarning)]
-    assert [t for t in texts if "logger mlflow failed" in t] == [
-        "logger mlflow failed and is switched off for this run (ConnectionError: API request to "
-        "http://tracking:5000 failed); training goes on, metrics.csv has every value"
+    assert [t for t in texts if "logger mlflow" in t] == [
+        f"logger mlflow at {uri} failed and is switched off for this run (ConnectionError: API request "
+        "to http://tracking:5000 failed); training goes on, metrics.csv has every value"
     ]
     assert csv_steps(tmp_path / "run", "train_loss") == [2, 4, 6, 8]
 

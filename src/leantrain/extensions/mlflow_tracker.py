@@ -7,39 +7,69 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 # MLflow's limit on a parameter's value (longer ones are refused).
 _PARAM_LIMIT = 6000
 _KEY_TAG = "leantrain.run_key"
+# The values leantrain gave MLflow's HTTP settings in this process: one equal to them is ours to
+# change (a later run's tracker_timeout), any other was set by the user and is kept.
+_HTTP_SET: dict[str, str] = {}
+
+
+def bound_http_requests(timeout: float) -> None:
+    """MLflow's HTTP requests bounded by ``timeout`` (connect and read, each try) and 2 quick retries,
+    for every value of ``MLFLOW_HTTP_REQUEST_*`` the user did not set. Its defaults (120 s, 7 retries
+    with a growing backoff) keep a call to a silent server going for minutes. MLflow reads them at
+    each request and takes no per-client setting: they stay in this process's environment."""
+    bounds = {
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(timeout))),  # MLflow parses an integer
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    }
+    for name, value in bounds.items():
+        current = os.environ.get(name)
+        if current is None or current == _HTTP_SET.get(name):
+            os.environ[name] = _HTTP_SET[name] = value
 
 
 class MLflowTracker:
     name = "mlflow"
 
-    def __init__(self, uri: str | None, run_dir: Path) -> None:
+    def __init__(self, uri: str | None, run_dir: Path, timeout: float) -> None:
         from mlflow.tracking import MlflowClient
 
         # MLflow 3 refuses a folder ("file") store by default: a SQLite file in the run folder
         # is the local store that needs no server.
         self.uri = uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+        self.where = _without_password(self.uri)  # messages name the server, never its credentials
         self.run_dir = run_dir
+        bound_http_requests(timeout)
         self.client = MlflowClient(tracking_uri=self.uri)
+        self.experiment_id = ""
         self.run_id = ""
+
+    def connect(self) -> None:
+        """The experiment, found or created: the first request of a run, and what a server must answer."""
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "leantrain")
+        found = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
 
     def start(self, params: dict[str, Any], run_key: str, resumed: bool) -> None:
         from mlflow.entities import Param
 
-        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "leantrain")
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        if not self.experiment_id:
+            self.connect()
         # MLflow picks its own run ids: the run carries leantrain's key as a tag to be found again.
         if resumed:
-            runs = self.client.search_runs([experiment_id], f"tags.{_KEY_TAG} = '{run_key}'", max_results=1)
+            runs = self.client.search_runs(
+                [self.experiment_id], f"tags.{_KEY_TAG} = '{run_key}'", max_results=1
+            )
             if runs:
                 self.run_id = runs[0].info.run_id
                 self.client.update_run(self.run_id, status="RUNNING")
                 return  # its parameters were logged when it began (MLflow refuses to change them)
-        run = self.client.create_run(experiment_id, run_name=self.run_dir.name, tags={_KEY_TAG: run_key})
+        run = self.client.create_run(self.experiment_id, run_name=self.run_dir.name, tags={_KEY_TAG: run_key})
         self.run_id = run.info.run_id
         values = [Param(key, str(value)[:_PARAM_LIMIT]) for key, value in params.items()]
         self.client.log_batch(self.run_id, params=values)
@@ -68,3 +98,10 @@ class MLflowTracker:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isinf(value)
+
+
+def _without_password(uri: str) -> str:
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{parts.netloc.rpartition('@')[2]}"))
