@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from leantrain.errors import CheckpointError, TaskError
 from leantrain.files import as_the_umask_says, atomic_write, check_folder, writing
+from leantrain.remote import RemoteFolder, is_url
 
 FORMAT = "leantrain-checkpoint"
 FORMAT_VERSION = 1
@@ -212,6 +213,14 @@ class CheckpointFolder:
         """Where a sharded checkpoint's shards go (its file refers to it by name)."""
         return self.folder / checkpoint_name(step).replace(".pt", SHARDS_SUFFIX)
 
+    def shards_of(self, checkpoint: Path, name: str) -> Path:
+        """Where the shards ``name`` of the loaded ``checkpoint`` are: beside its file."""
+        return checkpoint.parent / name
+
+    def describe(self, checkpoint: Path) -> str:
+        """How a checkpoint of this folder is named to the user."""
+        return str(checkpoint)
+
     def save(self, step: int, state: dict[str, Any]) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / checkpoint_name(step)
@@ -392,11 +401,15 @@ def _file_times(folder: Path) -> dict[Path, int]:
     return {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else {}
 
 
-def check_shards(checkpoint: Path, folder: Path) -> None:
-    """CheckpointError unless ``folder`` holds the complete shards of ``checkpoint``.
+def check_shards(checkpoint: Path, folder: Path | str) -> None:
+    """CheckpointError unless ``folder`` (a path, or a URL) holds the complete shards of ``checkpoint``.
 
     DCP writes its ``.metadata`` file last, after every process wrote its shards."""
-    if not (folder / ".metadata").is_file():
+    if is_url(folder):
+        complete = ".metadata" in {Path(name).name for name in RemoteFolder(str(folder)).sizes()}
+    else:
+        complete = (Path(folder) / ".metadata").is_file()
+    if not complete:
         raise CheckpointError(f"checkpoint {checkpoint}: its sharded state {folder} is missing or incomplete")
 
 

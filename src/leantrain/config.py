@@ -21,6 +21,7 @@ from typing import Any, Literal, Union
 
 from leantrain.blocks import BlockPolicy
 from leantrain.errors import ConfigError
+from leantrain.remote import check_url, is_url
 from leantrain.units import parse_bytes
 
 Precision = Literal["32", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
@@ -190,7 +191,14 @@ class TrainConfig:
     seed: int = _field(0, "reproducibility", "seeds Python, NumPy, torch and the sample order")
     deterministic: bool = _field(False, "reproducibility", "use only deterministic kernels (slower)")
     # logging
-    out_dir: str | None = _field(None, "logging", "run folder; null: runs/<task>-<time>")
+    out_dir: str | None = _field(
+        None, "logging", "run folder, or a URL (s3://bucket/run, gs://, az://: see docs/checkpointing.md); "
+        "null: runs/<task>-<time>",
+    )  # fmt: skip
+    staging_dir: str | None = _field(
+        None, "logging", "with out_dir a URL: the local folder the run writes before uploading; null: "
+        "~/.cache/leantrain/staging/<name>-<hash>",
+    )  # fmt: skip
     log_every_n_steps: int = _field(50, "logging", "read metrics from the device every N steps")
     val_every_n_steps: int | None = _field(None, "logging", "validate every N steps; null: once, at the end")
     progress: ProgressMode = _field(
@@ -247,8 +255,9 @@ class TrainConfig:
         "memory, which holds that copy meanwhile); false: the loop waits for each write",
     )
     resume: str | None = _field(
-        None, "checkpointing", "auto: the newest valid checkpoint in out_dir, else start fresh; or a file"
-    )
+        None, "checkpointing", "auto: the newest valid checkpoint in out_dir, else start fresh; or a file "
+        "(a path or a URL)",
+    )  # fmt: skip
     keep_best: int = _field(
         0,
         "checkpointing",
@@ -328,7 +337,18 @@ class TrainConfig:
             raise ConfigError("resume", self.resume, "needs out_dir: the run folder to resume")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ConfigError("device", self.device, "allowed: auto, cpu, cuda, cuda:N, mps")
+        self._validate_storage()
         self._validate_watching()
+
+    def _validate_storage(self) -> None:
+        """URLs (object storage): a scheme this machine can serve; the staging folder only with one."""
+        for name in ("out_dir", "resume", "cache"):
+            if is_url(value := getattr(self, name)):
+                check_url(value, name)
+        if self.staging_dir is not None and not is_url(self.out_dir):
+            raise ConfigError(
+                "staging_dir", self.staging_dir, "needs out_dir to be a URL (s3://..., gs://...)"
+            )
 
     def _validate_watching(self) -> None:
         """Trackers, best checkpoints and early stopping: options that only work together."""

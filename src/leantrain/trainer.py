@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from leantrain.extensions.trackers import check_trackers
 from leantrain.run.context import RunContext
 from leantrain.run.hooks import Callback, Instruments, NoInstruments, StepStats
 from leantrain.run.loop import Run
+from leantrain.run.mirror import open_mirror
 from leantrain.run.preflight import check_machine
 from leantrain.run.results import FitResult
 from leantrain.run.watchdog import process_group_timeout
@@ -63,8 +65,9 @@ class Trainer:
         env = detect()
         strategy = check_config(cfg, env.world_size)
         device = _process_device(strategy.input_device(cfg, resolve_device(cfg.device)), env)
-        run_dir = _run_dir(cfg.out_dir, name)
-        check_machine(cfg, run_dir, env.local_world_size)
+        mirror = open_mirror(cfg.out_dir, cfg.staging_dir, env.is_main)  # None: out_dir is a folder
+        run_dir = mirror.staging if mirror is not None else _run_dir(cfg.out_dir, name)
+        check_machine(cfg, run_dir, env.local_world_size, mirror)
         check_trackers(cfg)
         created_group = init_process_group(env, device, process_group_timeout(cfg.hang_timeout))
         run = None
@@ -78,7 +81,7 @@ class Trainer:
             ):
                 seed_everything(cfg.seed)
                 dims = strategy.dims(cfg, env.world_size)
-                ctx = RunContext(cfg, task, env, device, run_dir, dims, self.instruments, started)
+                ctx = RunContext(cfg, task, env, device, run_dir, dims, self.instruments, started, mirror)
                 run = Run(ctx, strategy, self.callbacks)
                 try:
                     result = _train(run, signals)
@@ -108,10 +111,13 @@ def _train(run: Run, signals: StopSignals) -> FitResult:
         # data worker would cost a 5 s wait at some later moment (in the user's next cell).
         run.data.stop_workers()
         run.observers.end(None)
+        with contextlib.suppress(StorageError):  # the error that ended the run is the one to report
+            run.persistence.publish()
         raise
     run.observers.logger.close()
     result = run.finish()
     run.observers.end(result.summary())
+    run.persistence.publish()  # a run folder at a URL: its last files
     return result
 
 

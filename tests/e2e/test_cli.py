@@ -168,6 +168,7 @@ FROZEN_FIT_FLAGS = {
     "--deterministic",
     "--out-dir",
     "--out",
+    "--staging-dir",
     "--log-every-n-steps",
     "--val-every-n-steps",
     "--progress",

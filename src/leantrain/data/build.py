@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
@@ -20,10 +19,11 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from leantrain.cluster import ClusterEnv
 from leantrain.config import TrainConfig
-from leantrain.data.cache import CacheError, prepare_cache, task_source
+from leantrain.data.cache import MANIFEST, CacheError, prepare_cache, task_source
 from leantrain.data.hf import torch_rows
 from leantrain.data.limits import check_prefetch, item_bytes
 from leantrain.data.loader import build_loader, check_map_style, collate
+from leantrain.data.remote_cache import cache_root, fetch_split, publish_split
 from leantrain.data.sampler import GlobalBatchSampler
 from leantrain.data.stream import RankShard, StreamShard, check_stream_steps, stream_length
 from leantrain.data.workers import (
@@ -34,6 +34,7 @@ from leantrain.data.workers import (
     tune_workers,
 )
 from leantrain.errors import TaskError
+from leantrain.remote import is_url
 from leantrain.step.batching import BatchSplit
 from leantrain.task import call_task
 
@@ -58,17 +59,23 @@ def _cached(
         raise CacheError(
             f"cache {cfg.cache}: {split} data is an IterableDataset; a cache needs a map-style dataset"
         )
-    folder = Path(cfg.cache) / split
+    folder = cache_root(cfg.cache) / split
     workers = cfg.num_workers if isinstance(cfg.num_workers, int) else auto_workers(env.local_world_size)
+    remote = is_url(cfg.cache)
     if env.is_main:
+        fetched = remote and fetch_split(cfg.cache, split)
         cached, built = prepare_cache(dataset, folder, task_source(task, split), f"{split}_data", workers)
-        verb = f"built in {built['build_seconds']:.1f} s" if built else "read"
+        if remote and built:
+            publish_split(cfg.cache, split)
+        verb = f"built in {built['build_seconds']:.1f} s" if built else "fetched" if fetched else "read"
         notes.append(
             f"cache {folder}: {len(cached):,} {split} items, {cached.nbytes / 2**20:,.1f} MiB, {verb}"
         )
     if env.distributed:
         dist.barrier()  # the others open it once rank 0 has finished it
     if not env.is_main:
+        if remote and not (folder / MANIFEST).is_file():  # another machine than rank 0's
+            fetch_split(cfg.cache, split)
         cached, _ = prepare_cache(
             dataset, folder, task_source(task, split), f"{split}_data", workers, build=False
         )

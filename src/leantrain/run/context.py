@@ -11,6 +11,7 @@ import torch
 from leantrain.cluster import ClusterEnv
 from leantrain.config import TrainConfig
 from leantrain.run.hooks import Instruments
+from leantrain.run.mirror import RunMirror
 from leantrain.strategies.dims import ParallelDims
 
 
@@ -26,6 +27,7 @@ class RunContext:
     dims: ParallelDims  # how the processes are arranged (the strategy's ``dims``)
     instruments: Instruments  # the doctor's measurements, or ``NoInstruments``
     started: float  # perf_counter() when fit() began
+    mirror: RunMirror | None = None  # out_dir is a URL: run_dir is its staging folder
 
     @property
     def data_env(self) -> ClusterEnv:

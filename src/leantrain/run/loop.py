@@ -73,7 +73,7 @@ class Run:
             f"training {self.data.schedule.total_steps} steps of {split.global_batch_size} samples "
             f"(micro-batch {split.micro_batch_size} x {split.accumulation_steps} accumulation), "
             f"x {ctx.env.world_size} process(es), strategy {self.model.strategy.name}, precision "
-            f"{self.model.precision.name}, on {ctx.device}, into {ctx.run_dir}{resumed}"
+            f"{self.model.precision.name}, on {ctx.device}, into {_where(ctx)}{resumed}"
         )
         notes = self.model.setup_lines() + self.optimization.notes + self.optimization.sizer.notes
         for note in notes + self.data.train.notes + self.resumed.notes:
@@ -288,3 +288,10 @@ class Run:
         if ctx.env.is_main:
             atomic_write_json(ctx.run_dir / "summary.json", result.summary())
         return result
+
+
+def _where(ctx: RunContext) -> str:
+    """The run folder, as the user named it (a URL, with the folder it is staged in)."""
+    if ctx.mirror is None:
+        return str(ctx.run_dir)
+    return f"{ctx.mirror.url} (staged in {ctx.run_dir})"

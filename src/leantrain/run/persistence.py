@@ -26,6 +26,7 @@ from typing import Any
 
 from leantrain._version import __version__
 from leantrain.checkpoint import (
+    SHARDS_SUFFIX,
     CheckpointFolder,
     capture_rng,
     check_compatible,
@@ -37,9 +38,11 @@ from leantrain.checkpoint import (
 )
 from leantrain.errors import CheckpointError
 from leantrain.files import writing
+from leantrain.remote import is_url
 from leantrain.run.background_save import BackgroundSaves
 from leantrain.run.context import RunContext
 from leantrain.run.data import DataPart
+from leantrain.run.mirror import MirroredCheckpoints, fetch_checkpoint
 from leantrain.run.model import ModelPart
 from leantrain.run.observers import Observers
 from leantrain.run.optimization import Optimization
@@ -77,7 +80,7 @@ class Resumed:
     rng: dict[str, Any] | None = None  # this rank's generators: the loop restores them last
     callbacks: dict[str, Any] = field(default_factory=dict)  # the callbacks' states, by key
     callbacks_in_shards: list[str] = field(default_factory=list)  # those saved with the shards
-    shards: Path | None = None  # the checkpoint's shard folder, if it has one
+    shards: Path | str | None = None  # the checkpoint's shard folder (or URL), if it has one
     notes: list[str] = field(default_factory=list)  # for the run log
 
     def restore_rng(self) -> None:
@@ -96,7 +99,12 @@ class Resumed:
 class Persistence:
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
-        self.checkpoints = CheckpointFolder(ctx.run_dir / "checkpoints", ctx.cfg.keep_checkpoints)
+        keep, mirror = ctx.cfg.keep_checkpoints, ctx.mirror
+        self.checkpoints = (
+            CheckpointFolder(ctx.run_dir / "checkpoints", keep)
+            if mirror is None
+            else MirroredCheckpoints(mirror, keep)
+        )
         self.saves = BackgroundSaves(ctx.cfg.async_checkpoint)
         self.progress = Progress()
 
@@ -116,9 +124,14 @@ class Persistence:
         if not saved:
             return "no checkpoint was written yet: free space or restore write access, then start again"
         return (
-            f"the last good checkpoint is {saved[-1]}: free space or restore write access, then continue "
-            "with --resume auto"
+            f"the last good checkpoint is {self.checkpoints.describe(saved[-1])}: free space or restore "
+            "write access, then continue with --resume auto"
         )
+
+    def publish(self) -> None:
+        """A run folder at a URL: upload the run's files that changed (rank 0; the others write none)."""
+        if self.ctx.mirror is not None and self.ctx.env.is_main:
+            self.ctx.mirror.push_run_files()
 
     # -- saving -----------------------------------------------------------------------------
 
@@ -128,7 +141,10 @@ class Persistence:
         (on a thread, with ``async_checkpoint``: ``saves.wait()`` waits for it)."""
         with self.saves.blocking():
             self.saves.settle()  # at most one save in flight: the previous one ends first
-            return self._save(done, model, optimization, data, observers)
+            path = self._save(done, model, optimization, data, observers)
+            # Here, not on the save's thread: the log files are whole between steps.
+            self.publish()
+            return path
 
     def _save(self, done: int, model: ModelPart, optimization: Optimization, data: DataPart,
               observers: Observers) -> Path:  # fmt: skip
@@ -138,6 +154,7 @@ class Persistence:
         path = self.checkpoints.folder / checkpoint_name(done)
         callbacks, in_shards = observers.checkpoint_state(strategy.sharded)
         shards, written = None, None
+        shards_name = checkpoint_name(done).replace(".pt", SHARDS_SUFFIX)
         if strategy.sharded:  # every rank writes its shards first; the file below comes last
             shards = self.checkpoints.shard_folder(done)
             with writing("checkpoint shards", shards):
@@ -158,7 +175,7 @@ class Persistence:
             **data.checkpoint_state(done),
             "model": None if shards else model.model.state_dict(),
             "optimizer": None if shards else optimization.optimizer.state_dict(),
-            "sharded": None if shards is None else shards.name,
+            "sharded": None if shards is None else shards_name,
             "tied": tied_aliases(model.model),  # `leantrain export` of shards: each gathered apart
             **optimization.checkpoint_state(),
             "rng": [rank["rng"] for rank in per_rank],
@@ -189,7 +206,7 @@ class Persistence:
         path, state = found
         cfg, env = self.ctx.cfg, self.ctx.env
         check_compatible(state, path, cfg.to_dict(), dataset_size)
-        shards = _load_weights_and_optimizer(model, optimization, state, path)
+        shards = _load_weights_and_optimizer(model, optimization, state, path, self.checkpoints)
         optimization.restore(state, path, env)
         self.progress.load(state["progress"])
         return Resumed(
@@ -207,19 +224,19 @@ class Persistence:
             return None
         if resume == "auto":  # the newest complete checkpoint; None: nothing saved yet, start fresh
             return self.checkpoints.newest_valid(warn=lambda text: print(f"leantrain: {text}"))
-        path = Path(resume)
+        path = fetch_checkpoint(resume, self.ctx.run_dir / ".resume") if is_url(resume) else Path(resume)
         return path, load_checkpoint(path)
 
 
 def _load_weights_and_optimizer(
-    model: ModelPart, optimization: Optimization, state: dict[str, Any], path: Path
-) -> Path | None:
+    model: ModelPart, optimization: Optimization, state: dict[str, Any], path: Path, folder: CheckpointFolder
+) -> Path | str | None:
     """Whole state into a whole model; shards into this process's shards (DCP reshards them for
     another number of processes) or gathered into a whole model (fsdp -> ddp, one process).
-    Returns the checkpoint's shard folder, if it has one."""
+    Returns the checkpoint's shard folder (a URL for a run folder in object storage), if it has one."""
     strategy, optimizer = model.strategy, optimization.optimizer
     if state.get("sharded"):
-        shards = path.parent / state["sharded"]
+        shards = folder.shards_of(path, state["sharded"])
         if strategy.sharded:
             strategy.load_sharded(shards, optimizer, path)
         else:
@@ -236,7 +253,7 @@ def _load_weights_and_optimizer(
     return None
 
 
-def _shards_written(future: Future[Any] | None, folder: Path | None) -> Callable[[], None]:
+def _shards_written(future: Future[Any] | None, folder: Path | str | None) -> Callable[[], None]:
     """A call that returns once this rank's shards of a background save are written (at once
     for a save that wrote them already), raising a refused write as the synchronous save would."""
 

@@ -52,7 +52,8 @@ class FitResult:
     ema_bytes: int = 0  # the moving average of the weights (--ema-decay), when kept
     val_metrics: dict[str, float] = field(default_factory=dict)
     compiler_events: list[CompilerEvent] = field(default_factory=list)  # recompilations, graph breaks
-    out_dir: Path | None = None
+    out_dir: Path | None = None  # the run's files on this machine (a URL run's staging folder)
+    out_url: str | None = None  # where a run at a URL keeps them (--out s3://...)
     model: nn.Module | None = field(default=None, repr=False)
 
     def summary(self) -> dict[str, Any]:
@@ -60,9 +61,9 @@ class FitResult:
         data = {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("val_metrics", "compiler_events", "out_dir", "model")
+            if f.name not in ("val_metrics", "compiler_events", "out_dir", "out_url", "model")
         }
-        return {**data, **self.val_metrics, "out_dir": str(self.out_dir)}
+        return {**data, **self.val_metrics, "out_dir": self.out_url or str(self.out_dir)}
 
 
 def fit_result(
@@ -103,5 +104,6 @@ def fit_result(
         **(memory.as_dict() if memory is not None else {}),
         val_metrics=dict(val_metrics),
         out_dir=ctx.run_dir,
+        out_url=ctx.mirror.url if ctx.mirror is not None else None,
         model=model.model,
     )

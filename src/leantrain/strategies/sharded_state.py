@@ -19,6 +19,7 @@ from torch import nn
 
 from leantrain.checkpoint import check_shards
 from leantrain.errors import CheckpointError
+from leantrain.remote import dcp_storage
 
 
 def _options() -> Any:
@@ -50,7 +51,11 @@ class ShardedState:
         return self.model  # type: ignore[attr-defined]
 
     def save_sharded(
-        self, folder: Path, optimizer: torch.optim.Optimizer, extra: dict[str, Any], background: bool = False
+        self,
+        folder: Path | str,
+        optimizer: torch.optim.Optimizer,
+        extra: dict[str, Any],
+        background: bool = False,
     ) -> Future[Any] | None:
         """Every rank writes its part of the model and optimizer state into ``folder``, and of
         ``extra``: state split like the model's (the weight average), keyed by parameter name.
@@ -65,19 +70,21 @@ class ShardedState:
         model_state, optimizer_state = get_state_dict(self.state_module, optimizer, options=_options())
         state = {**extra, "model": model_state, "optimizer": optimizer_state}
         if not background:
-            dcp.save(state, checkpoint_id=str(folder))
+            dcp.save(state, **dcp_storage(folder, writing=True))
             return None
         if self._checkpoint_group is None:
             self._checkpoint_group = dist.new_group(backend="gloo")  # every rank saves: a collective
-        return dcp.async_save(state, checkpoint_id=str(folder), process_group=self._checkpoint_group)
+        return dcp.async_save(
+            state, **dcp_storage(folder, writing=True), process_group=self._checkpoint_group
+        )
 
-    def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+    def load_sharded(self, folder: Path | str, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
         """Read the parts saved by ``save_sharded`` into the model and the optimizer."""
         load_dcp_state(self.state_module, optimizer, folder, checkpoint)
 
 
 def load_dcp_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, checkpoint: Path
+    module: nn.Module, optimizer: torch.optim.Optimizer, folder: Path | str, checkpoint: Path
 ) -> None:
     """The model and optimizer state that ``save_sharded`` wrote into ``folder``, read into
     ``module``: each process's shards (resharded by DCP when there are more or fewer of them),
@@ -97,7 +104,7 @@ def load_dcp_state(
     )
 
 
-def load_dcp_extra(state: dict[str, Any], folder: Path) -> None:
+def load_dcp_extra(state: dict[str, Any], folder: Path | str) -> None:
     """Fill ``state`` from the shards in ``folder`` (tensors in place, by key)."""
     import torch.distributed.checkpoint as dcp
 
@@ -105,7 +112,7 @@ def load_dcp_extra(state: dict[str, Any], folder: Path) -> None:
         with warnings.catch_warnings():
             # One process reading shards (fsdp -> one process): expected, and the run's log says so.
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(state, checkpoint_id=str(folder))
+            dcp.load(state, **dcp_storage(folder, writing=False))
     except Exception as error:  # DCP raises its own CheckpointException and plain errors
         reason = " ".join(str(error).split())[:300]
         raise CheckpointError(f"cannot load the sharded checkpoint state {folder}: {reason}") from None
