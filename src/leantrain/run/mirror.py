@@ -31,13 +31,14 @@ from leantrain.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from leantrain.errors import CheckpointError, StorageError
+from leantrain.errors import CheckpointError, ConfigError, StorageError
 from leantrain.files import check_folder
 from leantrain.remote import RemoteFolder, is_url, local_copy_folder
 
 CHECKPOINTS = "checkpoints"
 _MANIFEST = re.compile(r"checkpoints/step-(\d+)\.manifest\.json")
 MANIFEST_LIMIT = 4 << 20  # bytes: a manifest lists a few thousand objects at most
+STAGING_MARKER = ".leantrain-staging"  # in a staging folder: the URL it stages
 MARKERS = ("metrics.csv", "summary.json")  # the files that say the folder holds a run (see preflight)
 
 
@@ -77,11 +78,11 @@ class RunMirror:
     def pull(self) -> None:
         """Make the staging folder a copy of the URL's run files (the remote is the truth: files of an
         earlier attempt that never reached it are removed); checkpoints are fetched when resumed."""
-        self.staging.mkdir(parents=True, exist_ok=True)
+        self._claim_staging()
         wanted = self.run_files()
         for path in sorted(self.staging.rglob("*"), reverse=True):
             name = path.relative_to(self.staging).as_posix()
-            if name == CHECKPOINTS or name.startswith(CHECKPOINTS + "/"):
+            if name == CHECKPOINTS or name.startswith(CHECKPOINTS + "/") or _hidden(name):
                 continue
             if path.is_file() and name not in wanted:
                 path.unlink()
@@ -93,18 +94,37 @@ class RunMirror:
             self.remote.get(name, local)
             self._pushed[name] = _stamp(local)
 
+    def _claim_staging(self) -> None:
+        """The staging folder, made or found marked as this URL's: files are removed from it, so a
+        folder holding anything else (a mistyped ``--staging-dir``) is refused before one is touched."""
+        marker = self.staging / STAGING_MARKER
+        if self.staging.is_dir() and any(self.staging.iterdir()):
+            owner = marker.read_text().strip() if marker.is_file() else None
+            if owner != self.url:
+                whose = f"the staging folder of {owner}" if owner else "files that are not a staging folder"
+                raise ConfigError(
+                    "staging_dir", str(self.staging), f"holds {whose}; give an empty folder or this "
+                    f"run's (nothing in it was changed)",
+                )  # fmt: skip
+        self.staging.mkdir(parents=True, exist_ok=True)
+        marker.write_text(self.url + "\n")
+
     def push_run_files(self) -> None:
         """Upload the staging folder's files that changed since their last upload (not checkpoints,
         not temporary files)."""
         for path in sorted(self.staging.rglob("*")):
             name = path.relative_to(self.staging).as_posix()
-            hidden = any(part.startswith(".") for part in Path(name).parts)
-            if not path.is_file() or hidden or name.startswith(CHECKPOINTS + "/"):
+            if not path.is_file() or _hidden(name) or name.startswith(CHECKPOINTS + "/"):
                 continue
             stamp = _stamp(path)
             if self._pushed.get(name) != stamp:
                 self.remote.put(path, name)
                 self._pushed[name] = stamp
+
+
+def _hidden(name: str) -> bool:
+    """Temporary files of atomic writes, the staging marker, a downloaded ``--resume`` checkpoint."""
+    return any(part.startswith(".") for part in Path(name).parts)
 
 
 def _stamp(path: Path) -> tuple[int, int]:
