@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile, ArgumentParser, get_loader, set_loader
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from leantrain.bounded_read import check_yaml, load_yaml
 from leantrain.checkpoint import export_checkpoint, export_pretrained
 from leantrain.cluster import detect
 from leantrain.config import GROUPS, TrainConfig, coerce, metavar
@@ -74,7 +75,8 @@ FLAG_ALIASES = {"out_dir": ["--out"]}
 
 
 class YamlConfig(ActionConfigFile):
-    """``--config FILE``: jsonargparse's config file, refused in one line unless it is a YAML mapping."""
+    """``--config FILE``: jsonargparse's config file, refused in one line unless it is a YAML mapping
+    within leantrain's bounds on size, nesting and aliases (docs/errors.md)."""
 
     def __call__(self, parser: Any, cfg: Any, values: Any, option_string: str | None = None) -> None:
         check_yaml_mapping(Path(values), "config")
@@ -82,23 +84,26 @@ class YamlConfig(ActionConfigFile):
 
 
 def check_yaml_mapping(path: Path, field: str) -> None:
-    """ConfigError naming ``field`` unless ``path`` is a readable UTF-8 YAML file holding a mapping."""
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except IsADirectoryError:
-        raise ConfigError(field, str(path), "is a folder; give a YAML file") from None
-    except OSError as error:
-        raise ConfigError(field, str(path), f"cannot be read ({error.strerror})") from None
-    except UnicodeDecodeError as error:
-        raise ConfigError(field, str(path), f"is not UTF-8 text (byte {error.start})") from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or " ".join(str(error).split()[:12])
-        raise ConfigError(field, str(path), f"is not valid YAML{where}: {problem}") from None
+    """ConfigError naming ``field`` unless ``path`` is a readable UTF-8 YAML file holding a mapping,
+    within the bounds of :mod:`leantrain.bounded_read`."""
+    data = load_yaml(path, field)
     if not isinstance(data, dict):
         found = "nothing" if data is None else f"a {type(data).__name__}"
         raise ConfigError(field, str(path), f"must hold a mapping of field: value lines, found {found}")
+
+
+def _bounded_yaml_value(text: str, path: str = "") -> Any:
+    """jsonargparse's YAML loader, behind leantrain's bounds: jsonargparse reads the ``--config`` file
+    again after YamlConfig checked it (a file replaced in between is bounded too), and parses typed
+    flag values (``--node-rank``) as YAML, where an alias bomb costs as much as in a file."""
+    check_yaml(text, "config" if path else "value", str(path) if path else text)
+    return get_loader("yaml")(text)
+
+
+# The parser mode of every leantrain parser (subcommands take their parent's): jsonargparse passes a
+# config file's path to a loader that accepts one, so the error names the file.
+BOUNDED_YAML = "leantrain-yaml"
+set_loader(BOUNDED_YAML, _bounded_yaml_value, (yaml.YAMLError,))
 
 
 def flag(name: str) -> str:
@@ -143,7 +148,10 @@ def _strategy_help() -> str:
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
-        prog="leantrain", description="A PyTorch training engine that tells you why.", exit_on_error=False
+        prog="leantrain",
+        description="A PyTorch training engine that tells you why.",
+        exit_on_error=False,
+        parser_mode=BOUNDED_YAML,
     )
     commands = parser.add_subcommands(dest="command")
     commands.add_subcommand("fit", _fit_parser(), help="train a task (default: the digits example)")

@@ -15,7 +15,6 @@ current data is refused with an error that names the folder.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import shutil
@@ -28,10 +27,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from leantrain.bounded_read import load_json
 from leantrain.checkpoint import capture_rng, restore_rng
 from leantrain.data.hf import torch_rows
 from leantrain.data.loader import NamedItemErrors
-from leantrain.errors import DataError, LeantrainError
+from leantrain.errors import ConfigError, DataError, LeantrainError
 from leantrain.files import atomic_write_json, check_room, writing
 from leantrain.runtime import seed_everything
 
@@ -191,9 +191,14 @@ def _read_manifest(folder: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise CacheError(f"cache {folder}: {MANIFEST} is unreadable ({error}); remove the folder") from None
+        # Bounded: a cache folder may be shared, and a huge or hostile cache.json is one line, not an OOM.
+        manifest = load_json(path, "cache")
+    except ConfigError as error:
+        raise CacheError(
+            f"cache {folder}: {MANIFEST} is unreadable ({error.allowed}); remove the folder"
+        ) from None
+    if not isinstance(manifest, dict):
+        raise CacheError(f"cache {folder}: {MANIFEST} holds no leantrain cache manifest; remove the folder")
     if manifest.get("format") != FORMAT:
         raise CacheError(
             f"cache {folder} has format {manifest.get('format')!r}, this leantrain reads {FORMAT}; remove it"
