@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ from leantrain.cluster import detect
 from leantrain.config import GROUPS, TrainConfig, coerce, metavar
 from leantrain.data.cache import prepare_cache, task_source
 from leantrain.data.limits import check_num_workers
+from leantrain.data.remote_cache import cache_root, fetch_split, publish_split
 from leantrain.data.workers import auto_workers
 from leantrain.diagnose.probe import DEFAULT_STEPS, DEFAULT_WARMUP, TRACED_STEPS
 from leantrain.errors import (
@@ -49,6 +51,8 @@ from leantrain.extensions.weight_average import averaged_weights
 from leantrain.files import check_folder
 from leantrain.launch.slurm import CPUS_PER_GPU, SlurmOptions, run_folder, sbatch_script, submit
 from leantrain.memory.estimate import DEFAULT_MARGIN, RECOMPUTE_PAYS, MemoryEstimate, estimate_memory
+from leantrain.remote import check_url, is_url
+from leantrain.run.mirror import exported
 from leantrain.run.preflight import check_machine
 from leantrain.strategies.registry import check_config, names, strategies
 from leantrain.task import call_task, load_task
@@ -315,13 +319,15 @@ def _export_parser() -> ArgumentParser:
 def run_export(values: dict[str, Any], console: Console) -> None:
     choose = averaged_weights if values["weights"] == "ema" else None
     if values["format"] == "safetensors":
-        written = export_checkpoint(values["checkpoint"], values["out"], choose)
+        write = functools.partial(export_checkpoint, choose=choose)
     else:
         if not (values["task"] or values["example"]):
             raise TaskError("export --format transformers needs --task or --example: the model to fill")
         task, _ = resolve_task(values["task"], values["example"])
         model = call_task("task.model()", task.model)
-        written = export_pretrained(model, values["checkpoint"], values["out"], choose)
+        write = functools.partial(export_pretrained, model, choose=choose)
+    # Either may be a URL (object storage): read and written through a local copy.
+    written = exported(str(values["checkpoint"]), str(values["out"]), write)
     console.print(f"wrote {written}")
 
 
@@ -348,20 +354,25 @@ def run_cache(values: dict[str, Any], console: Console) -> None:
     elif not isinstance(workers, int) or workers < 0:
         raise ConfigError("num_workers", values["num_workers"], "must be 0 or more, or auto")
     check_num_workers(workers)
-    check_folder(values["out"], "out", writable=False)
+    out = str(values["out"])
+    if is_url(out):
+        check_url(out, "out")
+    check_folder(cache_root(out), "out", writable=False)
     for split in ("train", "val"):
         data_fn = getattr(task, f"{split}_data", None)
         dataset = data_fn() if callable(data_fn) else None
         if dataset is None:
             continue
-        folder = Path(values["out"]) / split
+        fetched = is_url(out) and fetch_split(out, split)
+        folder = cache_root(out) / split
         cached, built = prepare_cache(dataset, folder, task_source(task, split), f"{split}_data", workers)
-        how = (
-            f"built in {built['build_seconds']:.1f} s with {workers} worker(s)"
-            if built
-            else "already complete"
-        )
-        console.print(f"{folder}: {len(cached):,} items, {cached.nbytes / 2**20:,.1f} MiB, {how}")
+        if is_url(out) and built:
+            publish_split(out, split)
+        how = "already complete" + (", copied to this machine" if fetched else "")
+        if built:
+            how = f"built in {built['build_seconds']:.1f} s with {workers} worker(s)"
+        where = f"{out}/{split} (local copy {folder})" if is_url(out) else str(folder)
+        console.print(f"{where}: {len(cached):,} items, {cached.nbytes / 2**20:,.1f} MiB, {how}")
 
 
 def _launch_parser() -> ArgumentParser:
@@ -495,7 +506,7 @@ def run_fit(values: dict[str, Any], console: Console) -> FitResult:
 
 
 def _summary_table(result: FitResult) -> Table:
-    table = Table(title=f"summary ({result.out_dir}/summary.json)", show_header=False)
+    table = Table(title=f"summary ({result.out_url or result.out_dir}/summary.json)", show_header=False)
     for key, value in result.summary().items():
         table.add_row(key, _summary_text(value))
     return table
