@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -71,11 +72,14 @@ def test_protected_checkpoints_stay_beside_the_newest_k_even_when_the_newest_is_
 
 def sharded_save(folder: CheckpointFolder, step: int, complete: bool = True):
     """A checkpoint file with a shards folder beside it, as an fsdp run writes them."""
+    import torch.distributed.checkpoint as dcp
+
     shards = folder.shard_folder(step)
-    shards.mkdir(parents=True)
-    (shards / "__0_0.distcp").write_bytes(b"shard")
-    if complete:
-        (shards / ".metadata").write_bytes(b"written last by DCP")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save({"model": {"weight": torch.full((2,), float(step))}}, checkpoint_id=str(shards))
+    if not complete:
+        (shards / ".metadata").unlink()  # DCP writes it last
     return folder.save(step, {**small_state(step), "model": None, "sharded": shards.name})
 
 
@@ -183,6 +187,29 @@ def test_a_pickle_that_would_run_code_is_refused_and_does_not_run(tmp_path, cont
         path.write_bytes(pickle.dumps(payload))
     expect_one_line_error(path, refusal)
     assert not marker.exists()
+
+
+def test_shards_whose_metadata_would_run_code_are_refused_before_dcp_reads_them(tmp_path):
+    """DCP unpickles .metadata with plain pickle: leantrain checks its objects first."""
+    folder = CheckpointFolder(tmp_path, keep=5)
+    sharded_save(folder, 1)
+    sharded_save(folder, 2)
+    marker = tmp_path / "pwned"
+    (folder.shard_folder(2) / ".metadata").write_bytes(pickle.dumps(RunsCode(str(marker))))
+    warned: list[str] = []
+    _, state = folder.newest_valid(warn=warned.append)
+    assert state["step"] == 1 and len(warned) == 1 and "posix.system" in warned[0], warned
+    with pytest.raises(lt.CheckpointError, match=r"\.metadata is refused: it holds posix\.system"):
+        export_checkpoint(tmp_path / "step-00000002.pt", tmp_path / "out.safetensors")
+    assert not marker.exists()
+    export_checkpoint(tmp_path / "step-00000001.pt", tmp_path / "out.safetensors")  # DCP's own: read
+
+
+@pytest.mark.parametrize("name", ["../../elsewhere", "/etc", "step-1.dcp/../../x", 7])
+def test_a_checkpoint_naming_shards_outside_its_folder_is_refused(tmp_path, name):
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, {**small_state(1), "model": None, "sharded": name})
+    expect_one_line_error(path, "names its shards")
 
 
 def test_the_exploit_used_above_does_run_code_when_unpickled_naively(tmp_path):

@@ -10,6 +10,7 @@ RNG states of Python, NumPy and torch (CPU and CUDA), taken at the step boundary
 
 from __future__ import annotations
 
+import io
 import pickle
 import random
 import re
@@ -39,6 +40,7 @@ _NAME = re.compile(r"step-(\d+)\.pt")
 
 
 SHARDS_SUFFIX = ".dcp"  # the folder beside a sharded checkpoint's file: step-N.dcp/
+_SHARDS_NAME = re.compile(r"step-\d+\.dcp")
 
 
 def checkpoint_name(step: int) -> str:
@@ -132,6 +134,10 @@ def load_checkpoint(path: Path | str) -> dict[str, Any]:
             f"checkpoint {path} has format version {state.get('format_version')}; "
             f"this leantrain reads version {FORMAT_VERSION}"
         )
+    shards = state.get("sharded")
+    if shards is not None and not (isinstance(shards, str) and _SHARDS_NAME.fullmatch(shards)):
+        # Joined onto the checkpoint's folder: a crafted '../..' or absolute path would point anywhere.
+        raise CheckpointError(f"checkpoint {path} names its shards {shards!r}, not a shard folder beside it")
     for warning in said:
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return state
@@ -402,15 +408,56 @@ def _file_times(folder: Path) -> dict[Path, int]:
 
 
 def check_shards(checkpoint: Path, folder: Path | str) -> None:
-    """CheckpointError unless ``folder`` (a path, or a URL) holds the complete shards of ``checkpoint``.
+    """CheckpointError unless ``folder`` (a path, or a URL) holds the complete shards of ``checkpoint``,
+    described by plain data.
 
-    DCP writes its ``.metadata`` file last, after every process wrote its shards."""
+    DCP writes its ``.metadata`` file last, after every process wrote its shards. DCP reads that file
+    with an unrestricted ``pickle.load``: a crafted one would run code on the machine that resumes
+    or exports the checkpoint, so its objects are checked first against the classes DCP writes."""
     if is_url(folder):
-        complete = ".metadata" in {Path(name).name for name in RemoteFolder(str(folder)).sizes()}
+        remote = RemoteFolder(str(folder))
+        complete = ".metadata" in remote.sizes()
+        metadata = remote.read_bytes(".metadata", METADATA_LIMIT) if complete else b""
     else:
-        complete = (Path(folder) / ".metadata").is_file()
+        path = Path(folder) / ".metadata"
+        complete = path.is_file() and path.stat().st_size <= METADATA_LIMIT
+        metadata = path.read_bytes() if complete else b""
     if not complete:
         raise CheckpointError(f"checkpoint {checkpoint}: its sharded state {folder} is missing or incomplete")
+    try:
+        _MetadataUnpickler(io.BytesIO(metadata)).load()
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(f"checkpoint {checkpoint}: its shards' .metadata is refused: {error}") from None
+    except Exception as error:  # truncated or random bytes reach the unpickler's internals
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: its shards' .metadata is corrupt ({_first_line(error)})"
+        ) from None
+
+
+METADATA_LIMIT = 1 << 30  # bytes: DCP's index of every shard; tens of MB for the largest models
+# What DCP's .metadata holds (its dataclasses and enums, torch sizes, dtypes and layouts, paths): any
+# other global is refused before DCP unpickles the file.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(f"it holds {module}.{name}, which is not DCP's plain metadata")
+        return super().find_class(module, name)
 
 
 def _gathered_shards(checkpoint: Path, shards: str) -> dict[str, Any]:
