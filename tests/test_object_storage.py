@@ -151,6 +151,20 @@ def test_a_process_killed_mid_upload_resumes_from_the_last_complete_checkpoint(t
     assert all(torch.equal(weights[name], expected[name]) for name in expected)
 
 
+GARBLED = [b"[1, 2", b"[]", b'{"objects": {"a": "big"}}', b"[" * 5000 + b"]" * 5000]  # the last: too deep
+
+
+@pytest.mark.parametrize("manifest", GARBLED)
+def test_a_garbled_manifest_is_skipped_with_a_warning(tmp_path, s3, capsys, manifest):
+    url = f"s3://{BUCKET}/garbled-{len(manifest)}"
+    fit(tmp_path, url, "a", max_steps=4, checkpoint_every=2)
+    s3.pipe_file(f"{BUCKET}/garbled-{len(manifest)}/checkpoints/step-00000004.manifest.json", manifest)
+    capsys.readouterr()
+    fit(tmp_path, url, "b", max_steps=5, checkpoint_every=2, resume="auto")
+    out = capsys.readouterr().out
+    assert "resumed after step 2" in out and "step-00000004.manifest.json is unreadable" in out, out
+
+
 def test_fsdp_shards_go_to_the_url_and_come_back_on_two_processes(tmp_path, s3):
     url = f"s3://{BUCKET}/sharded"
     flags = ["fit", "--task", "tests.distributed.tasks:sum_task", "--global-batch-size", "16",

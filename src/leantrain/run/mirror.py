@@ -201,9 +201,15 @@ class MirroredCheckpoints(CheckpointFolder):
 
     def _fetch(self, step: int) -> tuple[Path, dict[str, Any]]:
         remote = self.mirror.remote
-        manifest = json.loads(remote.read_bytes(manifest_name(step), MANIFEST_LIMIT))
+        try:
+            manifest = json.loads(remote.read_bytes(manifest_name(step), MANIFEST_LIMIT))
+            objects = {str(name): int(size) for name, size in manifest["objects"].items()}
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
+            where = remote.url_of(manifest_name(step))
+            reason = type(error).__name__
+            raise CheckpointError(f"checkpoint manifest {where} is unreadable ({reason})") from None
         present = remote.sizes(CHECKPOINTS)
-        for name, size in manifest["objects"].items():
+        for name, size in objects.items():
             if present.get(name) != size:
                 raise CheckpointError(f"checkpoint {remote.url_of(name)} is missing or incomplete")
         path = self.folder / checkpoint_name(step)
