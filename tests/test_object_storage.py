@@ -252,3 +252,34 @@ def test_a_staging_folder_holding_other_files_is_refused_and_left_alone(tmp_path
     error = capsys.readouterr().err.strip()
     assert error.startswith(f"leantrain: error: invalid staging_dir='{folder}': holds files that are not a")
     assert [p.name for p in folder.iterdir()] == ["thesis.tex"] and objects(s3, "notes") == []
+
+
+class RevokeWritesAfter:
+    """A callback: from step ``step`` on, moto checks signatures, and the test's credentials fail."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step(self, stats) -> None:
+        import moto.settings
+
+        if stats.step >= self.step:
+            moto.settings.INITIAL_NO_AUTH_ACTION_COUNT = 0
+
+
+def test_a_store_that_starts_refusing_mid_run_ends_it_in_one_line(tmp_path, s3, monkeypatch):
+    import moto.settings
+
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", float("inf"))
+    config = TrainConfig(global_batch_size=8, micro_batch_size=4, logger="none", max_steps=6,
+                         checkpoint_every=2, out_dir=f"s3://{BUCKET}/revoked", async_checkpoint=False,
+                         staging_dir=str(tmp_path / "s"))  # fmt: skip
+    with pytest.raises(StorageError) as refused:
+        Trainer(config, callbacks=[RevokeWritesAfter(3)]).fit(RegressionTask())
+    message = str(refused.value)
+    assert "\n" not in message and "refused" in message and "step-00000004" in message, message
+    assert message.endswith(
+        "the checkpoints already written stay where they are: restore access, then --resume auto"
+    )
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", float("inf"))
+    assert "checkpoints/step-00000002.manifest.json" in objects(s3, "revoked")

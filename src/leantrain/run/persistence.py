@@ -36,7 +36,7 @@ from leantrain.checkpoint import (
     restore_rng,
     tied_aliases,
 )
-from leantrain.errors import CheckpointError
+from leantrain.errors import CheckpointError, StorageError
 from leantrain.files import writing
 from leantrain.remote import is_url
 from leantrain.run.background_save import BackgroundSaves
@@ -120,7 +120,10 @@ class Persistence:
         """After a write the storage refused: what of the run is safe, and how to go on."""
         if not self.ctx.cfg.saves_checkpoints:
             return "no checkpoint is kept (checkpoint_every never): the run must start again"
-        saved = self.checkpoints.files()  # complete files only: a save in progress is not listed
+        try:
+            saved = self.checkpoints.files()  # complete files only: a save in progress is not listed
+        except StorageError:  # a store that refuses the write may refuse the listing too
+            return "the checkpoints already written stay where they are: restore access, then --resume auto"
         if not saved:
             return "no checkpoint was written yet: free space or restore write access, then start again"
         return (
