@@ -74,15 +74,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import leantrain as lt
 from _common import add_output_options, cpu_model, git_state, load_now, output_path, publish, ranged, rotated
+from checkpoint import LAYERS, WIDTH, WideMLP
 from leantrain.checkpoint import checkpoint_name, load_checkpoint
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "object_storage.md"
 BUCKET = "bench"
-WIDTH, LAYERS = 1600, 6
 # Large enough that the steps between two saves outlast an upload to moto (a few seconds): the
 # regime of real training, where saves are minutes apart. Smaller, the next save waits for the
 # previous upload (at most one save is in flight), and blocked time measures moto's throughput.
@@ -90,32 +89,18 @@ BATCH = 256
 STORAGES = ("local", "S3")
 
 
-class WideMLP:
-    """About 16M float32 parameters; Adam keeps two moments of each: a checkpoint of ~185 MB."""
+class TimedMLP(WideMLP):
+    """benchmarks/checkpoint.py's model (Adam: a checkpoint of ~185 MB), noting when its first forward
+    starts: the end of set-up (a resume's download included)."""
 
     def __init__(self) -> None:
-        self.first_loss: float | None = None  # when the first forward started: set-up is over
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(1024, WIDTH, generator=generator)
-        self.y = torch.randn(1024, WIDTH, generator=generator)
-
-    def model(self) -> nn.Module:
-        layers: list[nn.Module] = []
-        for _ in range(LAYERS):
-            layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-        return nn.Sequential(*layers[:-1])
-
-    def train_data(self) -> TensorDataset:
-        return TensorDataset(self.x, self.y)
+        super().__init__()
+        self.first_loss: float | None = None
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         if self.first_loss is None:
             self.first_loss = time.perf_counter()
-        x, y = batch
-        return nn.functional.mse_loss(model(x), y)
-
-    def optimizer(self, params: Any) -> torch.optim.Optimizer:
-        return torch.optim.Adam(params, lr=1e-4)
+        return super().loss(model, batch)
 
 
 class Stamps:
@@ -218,7 +203,7 @@ class Figures:
 def timed_fit(config: lt.TrainConfig) -> tuple[float, float, float, Stamps, Path]:
     """``fit`` once: (its start, the first forward's start, its return, the step stamps, the run's
     local folder)."""
-    stamps, task = Stamps(), WideMLP()
+    stamps, task = Stamps(), TimedMLP()
     started = time.perf_counter()
     result = lt.Trainer(config, callbacks=[stamps]).fit(task)
     ended = time.perf_counter()
@@ -355,7 +340,7 @@ def main() -> None:
         return
     out = output_path(args, DEFAULT_OUT)
     steps, every, rounds = (8, 4, 1) if args.quick else (30, 10, args.rounds)
-    parameters = sum(p.numel() for p in WideMLP().model().parameters())
+    parameters = sum(p.numel() for p in TimedMLP().model().parameters())
     load_before, started = load_now(), time.time()
     s3 = S3Service()
     try:
