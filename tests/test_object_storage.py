@@ -183,6 +183,14 @@ def test_fsdp_shards_go_to_the_url_and_come_back_on_two_processes(tmp_path, s3):
     expected = load_file(Trainer(one).fit(sum_task()).out_dir / "model.safetensors")
     weights = weights_at(s3, "sharded/model.safetensors")
     assert all(float((weights[name] - expected[name]).abs().max()) <= 1e-10 for name in expected)
+    # One process branches off the sharded step 4 by its URL (its shards downloaded and gathered)
+    # into a run folder at another URL: the same weights again.
+    branch = TrainConfig(global_batch_size=16, micro_batch_size=16, max_steps=6, logger="none",
+                         out_dir=f"s3://{BUCKET}/branch", staging_dir=str(tmp_path / "c"),
+                         resume=f"{url}/checkpoints/step-00000004.pt")  # fmt: skip
+    Trainer(branch).fit(sum_task())
+    weights = weights_at(s3, "branch/model.safetensors")
+    assert all(float((weights[name] - expected[name]).abs().max()) <= 1e-10 for name in expected)
 
 
 def test_a_bucket_that_does_not_exist_is_one_line_and_nothing_trains(tmp_path, s3, capsys):

@@ -145,6 +145,10 @@ class MirroredCheckpoints(CheckpointFolder):
         return self.mirror.remote.url_of(_shards_name(step))
 
     def shards_of(self, checkpoint: Path, name: str) -> Any:
+        """At the URL for a checkpoint of this run (fetched by ``newest_valid``); beside the file for
+        another (``--resume PATH``, or a URL's checkpoint downloaded with its shards)."""
+        if checkpoint.parent != self.folder:
+            return super().shards_of(checkpoint, name)
         return self.mirror.remote.url_of(f"{CHECKPOINTS}/{name}")
 
     def files(self) -> list[Path]:
