@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -77,22 +76,22 @@ class RunMirror:
 
     def pull(self) -> None:
         """Make the staging folder a copy of the URL's run files (the remote is the truth: files of an
-        earlier attempt that never reached it are removed); checkpoints are fetched when resumed."""
+        earlier attempt that never reached it are removed). Weights (``*.safetensors``) are outputs the
+        run writes again: their copies at the URL stay until it does, and none is downloaded (nor could
+        a stale one be uploaded back). Checkpoints are fetched when resumed."""
         self._claim_staging()
-        wanted = self.run_files()
         for path in sorted(self.staging.rglob("*"), reverse=True):
-            name = path.relative_to(self.staging).as_posix()
-            if name == CHECKPOINTS or name.startswith(CHECKPOINTS + "/") or _hidden(name):
+            if _hidden(path.relative_to(self.staging).as_posix()):
                 continue
-            if path.is_file() and name not in wanted:
+            if path.is_file():
                 path.unlink()
             elif path.is_dir() and not any(path.iterdir()):
                 path.rmdir()
-        shutil.rmtree(self.staging / CHECKPOINTS, ignore_errors=True)
-        for name in wanted:
-            local = self.staging / name
-            self.remote.get(name, local)
-            self._pushed[name] = _stamp(local)
+        for name in self.run_files():
+            if not name.endswith(".safetensors"):
+                local = self.staging / name
+                self.remote.get(name, local)
+                self._pushed[name] = _stamp(local)
 
     def _claim_staging(self) -> None:
         """The staging folder, made or found marked as this URL's: files are removed from it, so a
