@@ -165,32 +165,33 @@ def test_a_garbled_manifest_is_skipped_with_a_warning(tmp_path, s3, capsys, mani
     assert "resumed after step 2" in out and "step-00000004.manifest.json is unreadable" in out, out
 
 
-def test_fsdp_shards_go_to_the_url_and_come_back_on_two_processes(tmp_path, s3):
+def test_fsdp_shards_go_to_the_url_from_two_processes_and_come_back(tmp_path, s3, capsys):
+    """Each rank writes its shards to the URL; the run resumes from them in place (resume auto, another
+    machine) and a branch reads them by the checkpoint's URL, both as one process (gathered: the
+    2-process resume is tests/distributed/test_fsdp.py's, on the same reading code)."""
+    from tests.distributed.tasks import sum_task
+
     url = f"s3://{BUCKET}/sharded"
     flags = ["fit", "--task", "tests.distributed.tasks:sum_task", "--global-batch-size", "16",
              "--micro-batch-size", "4", "--progress", "plain", "--logger", "none", "--strategy", "fsdp",
-             "--checkpoint-every", "2", "--out", url, "--resume", "auto"]  # fmt: skip
-    launch_here("--nproc-per-node", "2", *flags, "--max-steps", "4", "--staging-dir", str(tmp_path / "a"))
+             "--checkpoint-every", "2", "--out", url, "--max-steps", "4",
+             "--staging-dir", str(tmp_path / "a")]  # fmt: skip
+    with capsys.disabled():  # torchrun's error handler needs the real standard error's descriptor
+        launch_here("--nproc-per-node", "2", *flags)
     shards = [name for name in objects(s3, "sharded") if name.startswith("checkpoints/step-00000004.dcp/")]
     assert "checkpoints/step-00000004.dcp/.metadata" in shards and len(shards) >= 3  # each rank's file
-    again = ["--max-steps", "6", "--staging-dir", str(tmp_path / "b")]  # another machine
-    output = launch_here("--nproc-per-node", "2", *flags, *again)
-    assert "resumed after step 4" in output.stdout
-    one = TrainConfig(global_batch_size=16, micro_batch_size=16, max_steps=6, logger="none",
-                      out_dir=str(tmp_path / "one"))  # fmt: skip
-    from tests.distributed.tasks import sum_task
-
-    expected = load_file(Trainer(one).fit(sum_task()).out_dir / "model.safetensors")
-    weights = weights_at(s3, "sharded/model.safetensors")
-    assert all(float((weights[name] - expected[name]).abs().max()) <= 1e-10 for name in expected)
-    # One process branches off the sharded step 4 by its URL (its shards downloaded and gathered)
-    # into a run folder at another URL: the same weights again.
-    branch = TrainConfig(global_batch_size=16, micro_batch_size=16, max_steps=6, logger="none",
-                         out_dir=f"s3://{BUCKET}/branch", staging_dir=str(tmp_path / "c"),
-                         resume=f"{url}/checkpoints/step-00000004.pt")  # fmt: skip
-    Trainer(branch).fit(sum_task())
-    weights = weights_at(s3, "branch/model.safetensors")
-    assert all(float((weights[name] - expected[name]).abs().max()) <= 1e-10 for name in expected)
+    settings = dict(global_batch_size=16, micro_batch_size=16, max_steps=6, logger="none")
+    one = Trainer(TrainConfig(out_dir=str(tmp_path / "one"), **settings)).fit(sum_task())
+    expected = load_file(one.out_dir / "model.safetensors")
+    resumed = TrainConfig(out_dir=url, staging_dir=str(tmp_path / "b"), resume="auto", **settings)
+    branch = TrainConfig(out_dir=f"s3://{BUCKET}/branch", staging_dir=str(tmp_path / "c"),
+                         resume=f"{url}/checkpoints/step-00000004.pt", **settings)  # fmt: skip
+    for config, key in ((resumed, "sharded"), (branch, "branch")):
+        capsys.readouterr()
+        Trainer(config).fit(sum_task())
+        assert "resumed after step 4" in capsys.readouterr().out, key  # same weights if it started afresh
+        weights = weights_at(s3, f"{key}/model.safetensors")
+        assert all(float((weights[name] - expected[name]).abs().max()) <= 1e-10 for name in expected), key
 
 
 def test_a_bucket_that_does_not_exist_is_one_line_and_nothing_trains(tmp_path, s3, capsys):
