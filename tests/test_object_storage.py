@@ -127,7 +127,7 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def test_a_process_killed_mid_upload_resumes_from_the_last_complete_checkpoint(tmp_path, s3):
+def test_a_process_killed_mid_upload_resumes_from_the_last_complete_checkpoint(tmp_path, s3, capsys):
     url = f"s3://{BUCKET}/killed"
     flags = ["--task", "tests.conftest:RegressionTask", "--global-batch-size", "8", "--micro-batch-size", "4",
              "--logger", "none", "--checkpoint-every", "2", "--out", url, "--max-steps", "8",
@@ -139,12 +139,9 @@ def test_a_process_killed_mid_upload_resumes_from_the_last_complete_checkpoint(t
     assert killed.returncode == 137, killed.stderr[-3000:]
     held = objects(s3, "killed")
     assert "checkpoints/step-00000006.pt" in held and "checkpoints/step-00000006.manifest.json" not in held
-    resumed = subprocess.run(
-        [sys.executable, "-m", "leantrain", "fit", *flags],
-        env=worker_env(), cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed after step 4" in resumed.stdout
+    capsys.readouterr()
+    assert cli.main(["fit", *flags]) == 0  # the next start, here (the same staging folder)
+    assert "resumed after step 4" in capsys.readouterr().out
     whole = fit(tmp_path, str(tmp_path / "whole"), "unused", max_steps=8, staging_dir=None)
     weights = weights_at(s3, "killed/model.safetensors")
     expected = load_file(whole.out_dir / "model.safetensors")
