@@ -24,6 +24,17 @@ def test_csv_gains_late_columns_without_losing_rows(tmp_path):
     assert rows[3]["train_loss"] == "0.5"
 
 
+def test_a_resumed_csv_drops_rows_that_are_not_rows_instead_of_failing(tmp_path):
+    """A crash mid-write tears the last row; a power loss can leave zeros; a person may edit the file."""
+    path = tmp_path / "metrics.csv"
+    path.write_bytes(b"step,train_loss\n10,1.5\n20,1.0\n,0.7\nx,0.6\n\x00\x00\x00\n\xff\xfe,0.1\n30,0.5\n")
+    sink = CSVSink(path, keep_until_step=20)
+    sink.write(30, {"train_loss": 0.4})
+    sink.close()
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["step"], r["train_loss"]) for r in rows] == [("10", "1.5"), ("20", "1.0"), ("30", "0.4")]
+
+
 def test_tensorboard_writes_event_files(tmp_path):
     sink = TensorBoardSink(tmp_path)
     sink.write(1, {"train_loss": 2.0, "val_accuracy": 0.5, "bad": float("nan")})

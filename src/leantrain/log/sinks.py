@@ -32,10 +32,10 @@ class CSVSink:
         self.columns: list[str] = ["step"]
         self.rows: list[dict[str, Any]] = []
         if keep_until_step and path.exists():
-            with path.open(newline="") as previous:
+            with path.open(newline="", errors="replace") as previous:
                 reader = csv.DictReader(previous)
                 self.columns = list(reader.fieldnames or ["step"])
-                self.rows = [row for row in reader if int(row["step"]) <= keep_until_step]
+                self.rows = [row for row in reader if _step_of(row) <= keep_until_step]
         self._file = path.open("w", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=self.columns)
         self._writer.writeheader()
@@ -61,6 +61,15 @@ class CSVSink:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _step_of(row: dict[str, Any]) -> float:
+    """A kept row's step; infinity (dropped) for a row that is not one: torn by a crash mid-write, the
+    zeros a file system may leave after a power loss, or an edited file. Its steps are logged again."""
+    try:
+        return int(row.get("step") or "")
+    except (TypeError, ValueError):
+        return math.inf
 
 
 def tensorboard_tag(name: str) -> str:
