@@ -169,6 +169,15 @@ def test_the_summary_counts_the_time_of_earlier_processes(tmp_path):
     assert resumed.wall_seconds > saved["wall_seconds"]
 
 
+def test_a_finished_run_resumed_keeps_its_memory_counts_in_the_summary(tmp_path):
+    """Resumed at its last step, the run steps no more and measures nothing: the checkpoint's counts."""
+    finished = train(tmp_path / "run", max_steps=6)
+    again = train(tmp_path / "run", max_steps=6, resume="auto")
+    kinds = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")
+    counts = {kind: finished.summary()[kind] for kind in kinds}
+    assert all(counts.values()) and {kind: again.summary()[kind] for kind in kinds} == counts
+
+
 def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
     fresh = train(tmp_path / "a")
     also_fresh = train(tmp_path / "b", resume="auto")

@@ -184,6 +184,21 @@ class FirstStepMemory:
         self._model, self._optimizer_params, self._averaged = model, optimizer_params, averaged
         self._saved = SavedActivations(model.parameters(), limit)
         self.breakdown: MemoryBreakdown | None = None
+        # The earlier process's measurement, from the checkpoint: reported by a resumed run that ends
+        # before it steps (resumed at its last step), never used in place of this process's own.
+        self.earlier: MemoryBreakdown | None = None
+
+    @property
+    def known(self) -> MemoryBreakdown | None:
+        """This process's breakdown, else the one the checkpoint carried."""
+        return self.breakdown or self.earlier
+
+    def state_dict(self) -> dict[str, int] | None:
+        known = self.known
+        return known.as_dict() if known is not None else None
+
+    def load_state_dict(self, saved: dict[str, int] | None) -> None:
+        self.earlier = MemoryBreakdown(**saved) if saved else None
 
     def loss_fn(self, counted: LossFn, later: LossFn) -> LossFn:
         """The loss function of the next step: until the first step is accounted, ``counted`` under

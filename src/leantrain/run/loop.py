@@ -274,7 +274,7 @@ class Run:
         """Write the weights and summary.json (rank 0); return the result."""
         ctx = self.ctx
         self.model.write_weights(ctx.run_dir / "model.safetensors", ctx.env.is_main)
-        breakdown = self.optimization.memory.breakdown
+        breakdown = self.optimization.memory.known
         result = fit_result(
             ctx,
             self.steps_done,

@@ -80,6 +80,7 @@ class Optimization:
         return {
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "precision": self.model.precision.state_dict(),
+            "memory": self.memory.state_dict(),
         }
 
     def rank_state(self) -> dict[str, Any]:
@@ -93,4 +94,5 @@ class Optimization:
         if self.scheduler is not None:
             load_into(self.scheduler, state["scheduler"], "scheduler", path)
         load_into(self.model.precision, state["precision"], "precision", path)
+        self.memory.load_state_dict(state.get("memory"))  # a checkpoint from before it was saved: None
         self.tracker.load_state_dict(losses_of_rank(state, env), self.model.strategy.device)
