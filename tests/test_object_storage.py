@@ -289,3 +289,11 @@ def test_a_store_that_starts_refusing_mid_run_ends_it_in_one_line(tmp_path, s3, 
     )
     monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", float("inf"))
     assert "checkpoints/step-00000002.manifest.json" in objects(s3, "revoked")
+
+
+def test_gcs_requests_are_bounded_per_read_not_in_total():
+    """gcsfs hands its requests_timeout to aiohttp: a number there is a total per request, which a large
+    upload part on a slow link outlasts; the bound must be on connecting and on each wait for bytes."""
+    options = remote._bounded_options("gs")["requests_timeout"]
+    assert options.total is None and options.sock_read == remote.READ_SECONDS
+    assert options.sock_connect == remote.CONNECT_SECONDS

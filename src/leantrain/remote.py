@@ -36,7 +36,7 @@ PACKAGES = {
     "abfss": ("adlfs", "azure"),
 }
 CONNECT_SECONDS = 10  # to open a connection to the store
-READ_SECONDS = 30  # for a response, per request (an upload is many requests of a few MB)
+READ_SECONDS = 30  # the longest wait for the next bytes of a response (not a total: uploads are long)
 ATTEMPTS = 3  # a request that timed out or failed transiently, tried this many times in all
 # So a store that accepts connections and never answers fails a request after about 90 s.
 
@@ -67,7 +67,13 @@ def _bounded_options(scheme: str) -> dict[str, Any]:
             }
         }
     if scheme in ("gs", "gcs"):
-        return {"requests_timeout": READ_SECONDS}
+        # gcsfs hands it to aiohttp per request; a bare number there would be a *total* per request,
+        # which a large upload part on a slow link outlasts. Bounded like botocore's: connect, then
+        # the wait for each read of the response.
+        import aiohttp
+
+        bound = aiohttp.ClientTimeout(sock_connect=CONNECT_SECONDS, sock_read=READ_SECONDS)
+        return {"requests_timeout": bound}
     if scheme in ("az", "abfs", "abfss"):
         return {"connection_timeout": CONNECT_SECONDS, "read_timeout": READ_SECONDS}
     return {}
