@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from leantrain.adapters import FrozenBase, check_not_adapter_checkpoint, load_adapter_weights, merged
 from leantrain.errors import CheckpointError, TaskError
 from leantrain.files import as_the_umask_says, atomic_write, check_folder, writing
 from leantrain.remote import RemoteFolder, is_url
@@ -347,9 +348,9 @@ WeightsOf = Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, torch.
 
 def _checkpoint_weights(
     checkpoint: Path | str, choose: WeightsOf | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model weights of a checkpoint (a sharded one's gathered here), or what ``choose`` makes
-    of them and the callbacks' states; and its tied aliases."""
+    of them and the callbacks' states; and the checkpoint's state (its tied aliases, its frozen base)."""
     state = load_checkpoint(checkpoint)
     model, callbacks = state["model"], state.get("callbacks", {})
     if state.get("sharded"):
@@ -360,7 +361,7 @@ def _checkpoint_weights(
             model = choose(model, callbacks)
         except CheckpointError as error:
             raise CheckpointError(f"checkpoint {checkpoint} {error}") from None
-    return model, state.get("tied")
+    return model, state
 
 
 def export_checkpoint(checkpoint: Path | str, out: Path | str, choose: WeightsOf | None = None) -> Path:
@@ -370,28 +371,30 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, choose: WeightsOf
     if out.is_dir():
         out = out / "model.safetensors"
     check_folder(out.parent, "out")
-    weights, aliases = _checkpoint_weights(checkpoint, choose)
-    export_weights(weights, out, aliases)
+    weights, state = _checkpoint_weights(checkpoint, choose)
+    export_weights(weights, out, state.get("tied"))
     return out
 
 
 def export_pretrained(
-    model: nn.Module, checkpoint: Path | str, out: Path | str, choose: WeightsOf | None = None
+    model: nn.Module,
+    checkpoint: Path | str,
+    out: Path | str,
+    choose: WeightsOf | None = None,
+    merge: bool = False,
 ) -> Path:
     """``leantrain export --format transformers``: the checkpoint's weights loaded into ``model``
-    (the task's, freshly made) and written by its own ``save_pretrained`` into the folder ``out``."""
+    (the task's, freshly made) and written by its own ``save_pretrained`` into the folder ``out``:
+    for an adapter model, the adapter in PEFT's format, or with ``merge`` the merged model."""
     if not callable(getattr(model, "save_pretrained", None)):
         raise TaskError(
             f"--format transformers needs a transformers model (one with save_pretrained); "
             f"task.model() returned a {type(model).__name__}: use the default safetensors format"
         )
-    weights, _ = _checkpoint_weights(checkpoint, choose)
-    try:
-        _load_tied(model, weights)
-    except RuntimeError as error:  # load_state_dict's list of missing, unexpected and mis-sized names
-        raise CheckpointError(
-            f"checkpoint {checkpoint}: its weights do not fit task.model(): {_first_line(error)}"
-        ) from None
+    weights, state = _checkpoint_weights(checkpoint, choose)
+    _fill(model, weights, state, checkpoint)
+    if merge:
+        model = merged(model)
     out = Path(out)
     check_folder(out, "out")
     before = _file_times(out)
@@ -401,6 +404,25 @@ def export_pretrained(
             if before.get(written) != mtime:  # its weights: safetensors makes them the owner's only
                 as_the_umask_says(written)
     return out
+
+
+def _fill(
+    model: nn.Module, weights: dict[str, torch.Tensor], state: dict[str, Any], checkpoint: Path | str
+) -> None:
+    """A checkpoint's weights into the task's fresh model: all of them, or an adapter's onto the
+    same base."""
+    frozen = FrozenBase.of(model)
+    if frozen is not None:
+        frozen.check(state.get("frozen"), checkpoint)
+        load_adapter_weights(model, weights, frozen, f"checkpoint {checkpoint}")
+        return
+    check_not_adapter_checkpoint(state, checkpoint)
+    try:
+        _load_tied(model, weights)
+    except RuntimeError as error:  # load_state_dict's list of missing, unexpected and mis-sized names
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: its weights do not fit task.model(): {_first_line(error)}"
+        ) from None
 
 
 def _file_times(folder: Path) -> dict[Path, int]:

@@ -311,6 +311,12 @@ def _export_parser() -> ArgumentParser:
         default="trained",
         help="ema: the moving average of the weights (a run with --ema-decay), as ema.safetensors holds it",
     )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --format transformers, for an adapter (PEFT) checkpoint: the base with the adapter folded "
+        "in, a model without peft; without it, the adapter in PEFT's format (PeftModel.from_pretrained)",
+    )
     parser.add_argument("--task", default=None, help="the task whose model to fill, as 'pkg.module:Name'")
     parser.add_argument("--example", default=None, help=f"a built-in task: {', '.join(EXAMPLES)}")
     return parser
@@ -319,13 +325,15 @@ def _export_parser() -> ArgumentParser:
 def run_export(values: dict[str, Any], console: Console) -> None:
     choose = averaged_weights if values["weights"] == "ema" else None
     if values["format"] == "safetensors":
+        if values["merge"]:
+            raise ConfigError("merge", True, "needs --format transformers (and the task that made the base)")
         write = functools.partial(export_checkpoint, choose=choose)
     else:
         if not (values["task"] or values["example"]):
             raise TaskError("export --format transformers needs --task or --example: the model to fill")
         task, _ = resolve_task(values["task"], values["example"])
         model = call_task("task.model()", task.model)
-        write = functools.partial(export_pretrained, model, choose=choose)
+        write = functools.partial(export_pretrained, model, choose=choose, merge=values["merge"])
     # Either may be a URL (object storage): read and written through a local copy.
     written = exported(str(values["checkpoint"]), str(values["out"]), write)
     console.print(f"wrote {written}")

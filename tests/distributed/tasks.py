@@ -224,3 +224,51 @@ class UnevenValidation(DeepRegression):
     def metrics(self, model, batch):
         x, y, _ = batch
         return {"abs_error": (model(x) - y).abs().mean()}
+
+
+class TinyLlamaLoRA:
+    """transformers' LlamaForCausalLM (2 layers, width 32, from a config) with peft LoRA adapters
+    (r=8) on q_proj and v_proj, on the pydoc text's bytes; ``dtype`` for the model and its loss.
+    ``base_seed``: the base's initial weights (another seed: another "pretrained" base)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, base_seed: int = 0, targets=("q_proj", "v_proj")):
+        from leantrain.examples.hf_lm import HFCausalLMTask
+
+        self.lm = HFCausalLMTask("llama", block=16, layers=2, heads=4, width=32, max_chars=4000)
+        self.dtype, self.base_seed, self.targets = dtype, base_seed, list(targets)
+
+    def base(self) -> torch.nn.Module:
+        """The "pretrained" base: the same weights at every call."""
+        with torch.random.fork_rng():
+            torch.manual_seed(self.base_seed)
+            return self.lm.model().to(self.dtype)
+
+    def model(self) -> torch.nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(self.base(), LoraConfig(r=8, lora_alpha=16, target_modules=self.targets))
+
+    def train_data(self):
+        return self.lm.train_data()
+
+    def val_data(self):
+        return self.lm.val_data()
+
+    def loss(self, model, batch):
+        from leantrain.task import LossSum
+
+        logits = model(input_ids=batch["input_ids"]).logits
+        labels = batch["labels"]
+        total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return LossSum(total, labels.numel())
+
+    def optimizer(self, params):
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def tiny_llama_lora() -> TinyLlamaLoRA:
+    return TinyLlamaLoRA()
+
+
+def tiny_llama_lora_float64() -> TinyLlamaLoRA:
+    return TinyLlamaLoRA(torch.float64)

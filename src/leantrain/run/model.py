@@ -11,6 +11,7 @@ from pathlib import Path
 
 from torch import nn
 
+from leantrain.adapters import FrozenBase, write_peft_folder
 from leantrain.checkpoint import export_weights, tied_aliases
 from leantrain.step.batch_norm import split_statistics_warning
 from leantrain.step.batching import BatchSplit
@@ -21,6 +22,7 @@ from leantrain.strategies.base import Strategy
 @dataclass(frozen=True)
 class ModelPart:
     strategy: Strategy  # built, with the model wrapped or cut as it runs
+    frozen: FrozenBase | None  # an adapter model's base: left out of checkpoints and weight files
     precision: Precision  # (the doctor's instruments may wrap it)
     prepared: list[nn.Parameter]  # what precision.prepare returned: the optimizer's, before wrapping
     recompute: str | None  # the activation checkpointing policy, ``auto`` resolved
@@ -41,11 +43,19 @@ class ModelPart:
             lines.append(f"activation checkpointing: {len(self.recomputed)} blocks ({shown})")
         return lines + self.notes + self.strategy.notes
 
-    def write_weights(self, path: Path, is_main: bool) -> None:
-        """The trained weights into ``path`` (call on every rank: sharded, it is a collective)."""
-        weights = self.strategy.trained_weights(self.precision)
-        if is_main:
-            export_weights(weights, path, tied_aliases(self.model))
+    @property
+    def frozen_names(self) -> frozenset[str]:
+        return frozenset() if self.frozen is None else self.frozen.names
+
+    def write_weights(self, path: Path, is_main: bool, adapter_folder: Path | None = None) -> None:
+        """The trained weights into ``path`` (call on every rank: sharded, it is a collective); an
+        adapter model's are the adapter's, also written in PEFT's format into ``adapter_folder``."""
+        weights = self.strategy.trained_weights(self.precision, self.frozen_names)
+        if not is_main:
+            return
+        export_weights(weights, path, tied_aliases(self.model))
+        if self.frozen is not None and adapter_folder is not None:
+            write_peft_folder(self.model, weights, adapter_folder)
 
     def batch_norm_warning(self, split: BatchSplit) -> str | None:
         """Once per split: BatchNorm layers whose statistics follow it, with the remedies."""

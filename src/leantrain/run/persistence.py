@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from leantrain._version import __version__
+from leantrain.adapters import check_not_adapter_checkpoint, load_adapter_weights
 from leantrain.checkpoint import (
     SHARDS_SUFFIX,
     CheckpointFolder,
@@ -162,8 +163,9 @@ class Persistence:
             shards = self.checkpoints.shard_folder(done)
             with writing("checkpoint shards", shards):
                 written = strategy.save_sharded(
-                    shards, optimization.optimizer, {CALLBACKS_IN_SHARDS: in_shards}, self.saves.enabled
-                )
+                    shards, optimization.optimizer, {CALLBACKS_IN_SHARDS: in_shards}, self.saves.enabled,
+                    model.frozen_names,
+                )  # fmt: skip
         shards_written = _shards_written(written, shards)
         if not env.is_main:
             if written is not None:  # this rank's shards are written on DCP's thread
@@ -176,7 +178,8 @@ class Persistence:
         }
         state = {
             **data.checkpoint_state(done),
-            "model": None if shards else model.model.state_dict(),
+            "model": None if shards else _trained_state(model),
+            "frozen": None if model.frozen is None else model.frozen.checkpoint_state(),
             "optimizer": None if shards else optimization.optimizer.state_dict(),
             "sharded": None if shards is None else shards_name,
             "tied": tied_aliases(model.model),  # `leantrain export` of shards: each gathered apart
@@ -209,6 +212,10 @@ class Persistence:
         path, state = found
         cfg, env = self.ctx.cfg, self.ctx.env
         check_compatible(state, path, cfg.to_dict(), dataset_size)
+        if model.frozen is None:
+            check_not_adapter_checkpoint(state, path)
+        else:
+            model.frozen.check(state.get("frozen"), path)
         shards = _load_weights_and_optimizer(model, optimization, state, path, self.checkpoints)
         optimization.restore(state, path, env)
         self.progress.load(state["progress"])
@@ -237,13 +244,13 @@ def _load_weights_and_optimizer(
     """Whole state into a whole model; shards into this process's shards (DCP reshards them for
     another number of processes) or gathered into a whole model (fsdp -> ddp, one process).
     Returns the checkpoint's shard folder (a URL for a run folder in object storage), if it has one."""
-    strategy, optimizer = model.strategy, optimization.optimizer
+    strategy, optimizer, frozen = model.strategy, optimization.optimizer, model.frozen_names
     if state.get("sharded"):
         shards = folder.shards_of(path, state["sharded"])
         if strategy.sharded:
-            strategy.load_sharded(shards, optimizer, path)
+            strategy.load_sharded(shards, optimizer, path, frozen)
         else:
-            load_dcp_state(model.model, optimizer, shards, path)
+            load_dcp_state(model.model, optimizer, shards, path, frozen)
         return shards
     if strategy.sharded:
         raise CheckpointError(
@@ -251,9 +258,18 @@ def _load_weights_and_optimizer(
             f"and strategy {strategy.name} resumes only from shards: resume it with a strategy "
             "that holds the whole model (single, ddp)"
         )
-    load_into(model.model, state["model"], "model", path)
+    if model.frozen is None:
+        load_into(model.model, state["model"], "model", path)
+    else:
+        load_adapter_weights(model.model, state["model"], model.frozen, f"checkpoint {path}")
     load_into(optimizer, state["optimizer"], "optimizer", path)
     return None
+
+
+def _trained_state(model: ModelPart) -> dict[str, Any]:
+    """The model's state dict, but for an adapter model's frozen base."""
+    state = model.model.state_dict()
+    return state if model.frozen is None else model.frozen.without_frozen(state)
 
 
 def _shards_written(future: Future[Any] | None, folder: Path | str | None) -> Callable[[], None]:

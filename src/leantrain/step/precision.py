@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
+from leantrain.adapters import trained_parameters
 from leantrain.step.loss_scaler import DynamicLossScaler
 
 GradNorm = Callable[[list[torch.Tensor]], torch.Tensor]
@@ -88,7 +89,7 @@ class Fp32:
     input_dtype: torch.dtype | None = None
 
     def prepare(self, model: nn.Module) -> list[nn.Parameter]:
-        return list(model.parameters())
+        return trained_parameters(model)
 
     def autocast(self) -> AbstractContextManager[Any]:
         return nullcontext()
@@ -191,12 +192,16 @@ class MasterWeights(_ScaledLoss):
 
     def prepare(self, model: nn.Module) -> list[nn.Parameter]:
         # Masters copy the weights before the cast, so they start exactly at the initial values.
+        # An adapter model's frozen base gets none: it stays in 16-bit, half of fp32's memory.
+        trained = trained_parameters(model)
         self.masters = [
             nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
-            for p in model.parameters()
+            for p in trained
         ]
-        model.to(self.dtype)
-        self.model_params = list(model.parameters())
+        positions = {id(p): i for i, p in enumerate(model.parameters())}
+        model.to(self.dtype)  # in place: the parameters stay the same objects
+        params = list(model.parameters())
+        self.model_params = [params[positions[id(p)]] for p in trained]
         return self.masters
 
     def unscale_and_clip(
@@ -219,7 +224,8 @@ class MasterWeights(_ScaledLoss):
         state = model.state_dict()
         master_of = {id(p): m for p, m in zip(self.model_params, self.masters, strict=True)}
         for name, param in model.named_parameters(remove_duplicate=False):  # tied weights: every name
-            state[name] = master_of[id(param)].detach()
+            if id(param) in master_of:  # an adapter's frozen base has no master: its 16-bit values
+                state[name] = master_of[id(param)].detach()
         return state
 
     def state_dict(self) -> dict[str, Any]:

@@ -120,9 +120,13 @@ class Strategy:
         """What the optimizer updates, given what precision.prepare returned before wrapping."""
         return prepared
 
-    def trained_weights(self, precision: Precision) -> dict[str, torch.Tensor]:
-        """The weights to export (call on every rank: a sharded strategy gathers them to rank 0)."""
-        return precision.trained_state_dict(self.model)
+    def trained_weights(
+        self, precision: Precision, frozen: frozenset[str] = frozenset()
+    ) -> dict[str, torch.Tensor]:
+        """The weights to export (call on every rank: a sharded strategy gathers them to rank 0),
+        but for the ``frozen`` names (an adapter model's base)."""
+        weights = precision.trained_state_dict(self.model)
+        return {name: value for name, value in weights.items() if name not in frozen}
 
     # -- collectives: the identity on one process ------------------------------------------
 
@@ -199,9 +203,20 @@ class Strategy:
     # -- checkpoints of strategies whose processes hold parts of the state -------------------
 
     def save_sharded(
-        self, folder: Path, optimizer: torch.optim.Optimizer, extra: dict[str, Any], background: bool = False
+        self,
+        folder: Path,
+        optimizer: torch.optim.Optimizer,
+        extra: dict[str, Any],
+        background: bool = False,
+        frozen: frozenset[str] = frozenset(),
     ) -> Any:
         raise NotImplementedError(f"strategy {self.name} saves whole checkpoints")
 
-    def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+    def load_sharded(
+        self,
+        folder: Path,
+        optimizer: torch.optim.Optimizer,
+        checkpoint: Path,
+        frozen: frozenset[str] = frozenset(),
+    ) -> None:
         raise NotImplementedError(f"strategy {self.name} loads whole checkpoints")

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from leantrain.adapters import trained_parameters
 from leantrain.blocks import BlockPolicy, block_classes, matching_blocks
 from leantrain.config import TrainConfig
 from leantrain.step.precision import Precision
@@ -92,11 +93,15 @@ class FullyShard(ShardedState, SyncsBatchNorm, Collectives):
 
     def optimizer_params(self, prepared: list[nn.Parameter]) -> list[nn.Parameter]:
         # fully_shard replaced every parameter by a sharded one: the optimizer takes those.
-        return list(self.model.parameters())
+        return trained_parameters(self.model)
 
-    def trained_weights(self, precision: Precision) -> dict[str, torch.Tensor]:
-        """The full weights, gathered on rank 0 (a collective: every rank calls it; others get {})."""
+    def trained_weights(
+        self, precision: Precision, frozen: frozenset[str] = frozenset()
+    ) -> dict[str, torch.Tensor]:
+        """The full weights, gathered on rank 0 (a collective: every rank calls it; others get {});
+        ``frozen``: names left out, and never gathered (an adapter model's base)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=options)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=bool(frozen))
+        weights = get_model_state_dict(self.model, options=options)
+        return {name: value for name, value in weights.items() if name not in frozen}

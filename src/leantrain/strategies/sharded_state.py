@@ -22,14 +22,22 @@ from leantrain.errors import CheckpointError
 from leantrain.remote import dcp_storage
 
 
-def _options() -> Any:
+def _options(frozen: frozenset[str]) -> Any:
     # torch.distributed.checkpoint takes most of a second to import: only when used.
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # Optimizer state keyed by parameter name ("state.<name>.<key>", "param_groups.<name>.<key>"):
     # processes that hold different parameters (pipeline stages) then write different keys. Left
     # nested, every process's "param_groups.0" would share one key, and only one would be kept.
-    return StateDictOptions(flatten_optimizer_state_dict=True)
+    # An adapter model's frozen base is neither written nor read (task.model() makes it again):
+    # loading is then not strict about the model's names, and DCP still fails on a missing one.
+    return StateDictOptions(
+        flatten_optimizer_state_dict=True, ignore_frozen_params=bool(frozen), strict=not frozen
+    )
+
+
+def _without(state: dict[str, Any], frozen: frozenset[str]) -> dict[str, Any]:
+    return {name: value for name, value in state.items() if name not in frozen}
 
 
 class ShardedState:
@@ -56,9 +64,11 @@ class ShardedState:
         optimizer: torch.optim.Optimizer,
         extra: dict[str, Any],
         background: bool = False,
+        frozen: frozenset[str] = frozenset(),
     ) -> Future[Any] | None:
         """Every rank writes its part of the model and optimizer state into ``folder``, and of
-        ``extra``: state split like the model's (the weight average), keyed by parameter name.
+        ``extra``: state split like the model's (the weight average), keyed by parameter name;
+        ``frozen``: the parameters left out (an adapter model's base).
 
         ``background``: DCP copies the parts to host memory here and writes them on a thread;
         the returned future completes when every rank's parts are written. Its coordination runs
@@ -67,8 +77,8 @@ class ShardedState:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optimizer_state = get_state_dict(self.state_module, optimizer, options=_options())
-        state = {**extra, "model": model_state, "optimizer": optimizer_state}
+        model_state, optimizer_state = get_state_dict(self.state_module, optimizer, options=_options(frozen))
+        state = {**extra, "model": _without(model_state, frozen), "optimizer": optimizer_state}
         if not background:
             dcp.save(state, **dcp_storage(folder, writing=True))
             return None
@@ -78,29 +88,40 @@ class ShardedState:
             state, **dcp_storage(folder, writing=True), process_group=self._checkpoint_group
         )
 
-    def load_sharded(self, folder: Path | str, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+    def load_sharded(
+        self,
+        folder: Path | str,
+        optimizer: torch.optim.Optimizer,
+        checkpoint: Path,
+        frozen: frozenset[str] = frozenset(),
+    ) -> None:
         """Read the parts saved by ``save_sharded`` into the model and the optimizer."""
-        load_dcp_state(self.state_module, optimizer, folder, checkpoint)
+        load_dcp_state(self.state_module, optimizer, folder, checkpoint, frozen)
 
 
 def load_dcp_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, folder: Path | str, checkpoint: Path
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    folder: Path | str,
+    checkpoint: Path,
+    frozen: frozenset[str] = frozenset(),
 ) -> None:
     """The model and optimizer state that ``save_sharded`` wrote into ``folder``, read into
     ``module``: each process's shards (resharded by DCP when there are more or fewer of them),
-    or, for a module that is whole (one process, ddp), gathered."""
+    or, for a module that is whole (one process, ddp), gathered. ``frozen``: the names that
+    ``module`` already holds (an adapter model's base from ``task.model()``)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     check_shards(checkpoint, folder)
-    model_state, optimizer_state = get_state_dict(module, optimizer, options=_options())
-    state = {"model": model_state, "optimizer": optimizer_state}
+    model_state, optimizer_state = get_state_dict(module, optimizer, options=_options(frozen))
+    state = {"model": _without(model_state, frozen), "optimizer": optimizer_state}
     load_dcp_extra(state, folder)
     set_state_dict(
         module,
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
-        options=_options(),
+        options=_options(frozen),
     )
 
 

@@ -109,9 +109,12 @@ class Pipeline(ShardedState, Collectives):
     def optimizer_params(self, prepared: list[nn.Parameter]) -> list[nn.Parameter]:
         return list(self.model.parameters())  # this stage's: the others are gone
 
-    def trained_weights(self, precision: Precision) -> dict[str, torch.Tensor]:
-        """The whole model's weights on rank 0: every stage's part, merged (a collective)."""
-        mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+    def trained_weights(
+        self, precision: Precision, frozen: frozenset[str] = frozenset()
+    ) -> dict[str, torch.Tensor]:
+        """The whole model's weights on rank 0, but for the ``frozen`` names: every stage's part,
+        merged (a collective)."""
+        mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items() if k not in frozen}
         # One name per tied tensor, its first (registration order), as a single process exports it.
         for names, _ in self.tied:
             for name in names[1:]:
