@@ -36,11 +36,13 @@ class Task(Protocol):
     """What leantrain needs to train a model.
 
     Optional methods, used when present:
-    ``val_data() -> Dataset | IterableDataset | None``, ``scheduler(optimizer) -> LRScheduler``,
-    ``metrics(model, batch) -> dict[str, Tensor]`` (means over the batch, computed in
-    evaluation on the validation data), ``augment(batch) -> batch`` (random augmentation
-    of a training micro-batch on the device, after loading: it stays random when the
-    data comes from a cache).
+    ``val_data() -> Dataset | IterableDataset | None``,
+    ``scheduler(optimizer) -> LRScheduler`` or ``scheduler(optimizer, total_steps) -> LRScheduler``
+    (stepped once per optimizer step; given the run's optimizer steps when it takes a second
+    parameter; not with a built-in ``lr_schedule``), ``metrics(model, batch) -> dict[str, Tensor]``
+    (means over the batch, computed in evaluation on the validation data), ``augment(batch) ->
+    batch`` (random augmentation of a training micro-batch on the device, after loading: it stays
+    random when the data comes from a cache).
     """
 
     def model(self) -> nn.Module: ...

@@ -1,6 +1,6 @@
 """The optimization part: what updates the weights, one optimizer step at a time.
 
-It holds the optimizer (over what the strategy says it updates), the task's scheduler, the
+It holds the optimizer (over what the strategy says it updates), the scheduler, the
 memory policy that sizes the micro-batch (``MicroBatchSizer``), the ``Accumulator`` of the
 current split and the losses not yet logged. Built by ``builders.build_optimization``; what of it
 a checkpoint holds (scheduler, loss scale, each rank's unlogged losses) is saved and restored
@@ -44,10 +44,11 @@ class Optimization:
         self.model = model
         self.params = params  # what the optimizer updates
         self.optimizer = optimizer
-        self.scheduler = scheduler  # the task's learning-rate scheduler, or None
+        self.scheduler = scheduler  # the task's or a built-in learning-rate scheduler, or None
         self.sizer = sizer
         self.max_grad_norm = max_grad_norm
         self.notes = notes  # set-up decisions, for the run log
+        self.warnings: list[str] = []  # about the scheduler, found at set-up or resume, for the run log
         self.tracker = LossTracker()  # the losses since the last log point, on the device
         # What the memory is spent on, measured in the first step (the activations held to a CPU budget).
         self.memory = FirstStepMemory(model.model, params, sizer.activation_limit, averaged)
@@ -90,9 +91,14 @@ class Optimization:
     def restore(self, state: dict[str, Any], path: Path, env: ClusterEnv) -> None:
         if (state["scheduler"] is None) != (self.scheduler is None):
             has = "has" if state["scheduler"] is not None else "has no"
-            raise CheckpointError(f"checkpoint {path} {has} scheduler state, unlike this task")
+            raise CheckpointError(
+                f"checkpoint {path} {has} scheduler state, unlike this run (the task's scheduler or "
+                "lr_schedule)"
+            )
         if self.scheduler is not None:
             load_into(self.scheduler, state["scheduler"], "scheduler", path)
+            if (changed := getattr(self.scheduler, "resume_warning", None)) is not None:
+                self.warnings.append(changed)  # a built-in schedule under a changed max_steps
         load_into(self.model.precision, state["precision"], "precision", path)
         self.memory.load_state_dict(state.get("memory"))  # a checkpoint from before it was saved: None
         self.tracker.load_state_dict(losses_of_rank(state, env), self.model.strategy.device)
