@@ -16,6 +16,7 @@ it is tested without GPUs.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -73,12 +74,19 @@ def _holds_tensors(module: nn.Module) -> bool:
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with its tensors on ``device``; containers keep their class (a transformers
+    ``ModelOutput`` is a dict whose fields are also attributes; a named tuple takes its fields apart)."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_to_device(v, device) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(_to_device(v, device) for v in value)
     if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
+        moved = copy.copy(value)
+        for key, item in value.items():
+            moved[key] = _to_device(item, device)
+        return moved
     return value
 
 
