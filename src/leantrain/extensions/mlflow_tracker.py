@@ -1,4 +1,9 @@
-"""MLflow (``--logger mlflow``, ``--mlflow-uri``), through ``MlflowClient``: no global active run."""
+"""MLflow (``--logger mlflow``, ``--mlflow-uri``), through ``MlflowClient``: no global active run.
+
+The environment MLflow's own clients read is honoured where no flag says otherwise:
+``MLFLOW_TRACKING_URI`` (else a SQLite file in the run folder), ``MLFLOW_EXPERIMENT_NAME`` (else
+``leantrain``) and ``MLFLOW_RUN_ID`` (log into that existing run instead of creating one).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+from leantrain.extensions.tracker_settings import choose
 
 # MLflow's limit on a parameter's value (longer ones are refused).
 _PARAM_LIMIT = 6000
@@ -41,8 +48,19 @@ class MLflowTracker:
 
         # MLflow 3 refuses a folder ("file") store by default: a SQLite file in the run folder
         # is the local store that needs no server.
-        self.uri = uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+        local = f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+        self.uri, uri_from = choose(
+            uri, "--mlflow-uri", "MLFLOW_TRACKING_URI", local, "default: the run folder"
+        )
         self.where = _without_password(self.uri)  # messages name the server, never its credentials
+        self.experiment, experiment_from = choose(None, "", "MLFLOW_EXPERIMENT_NAME", "leantrain")
+        self.attach = os.environ.get("MLFLOW_RUN_ID") or None
+        chosen = (
+            f"run {self.attach} (MLFLOW_RUN_ID)"
+            if self.attach
+            else f"experiment {self.experiment} ({experiment_from})"
+        )
+        self.describe = f"{self.where} ({uri_from}), {chosen}"
         self.run_dir = run_dir
         bound_http_requests(timeout)
         self.client = MlflowClient(tracking_uri=self.uri)
@@ -50,29 +68,44 @@ class MLflowTracker:
         self.run_id = ""
 
     def connect(self) -> None:
-        """The experiment, found or created: the first request of a run, and what a server must answer."""
-        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "leantrain")
-        found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        """The first request of a run, and what a server must answer: the run ``MLFLOW_RUN_ID`` names
+        exists, or the experiment is found or created."""
+        if self.attach:
+            self.experiment_id = self.client.get_run(self.attach).info.experiment_id
+            return
+        found = self.client.get_experiment_by_name(self.experiment)
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(self.experiment)
 
-    def start(self, params: dict[str, Any], run_key: str, resumed: bool) -> None:
+    def start(self, params: dict[str, Any], run_key: str, resumed: bool) -> int | None:
         from mlflow.entities import Param
 
-        if not self.experiment_id:
-            self.connect()
-        # MLflow picks its own run ids: the run carries leantrain's key as a tag to be found again.
-        if resumed:
-            runs = self.client.search_runs(
-                [self.experiment_id], f"tags.{_KEY_TAG} = '{run_key}'", max_results=1
+        # MLflow picks its own run ids: the run carries leantrain's key as a tag to be found again
+        # (with MLFLOW_RUN_ID, the key is that id, and the run is asked for by it).
+        if self.attach:
+            run = self.client.get_run(self.attach)
+        else:
+            if not self.experiment_id:
+                self.connect()
+            query = f"tags.{_KEY_TAG} = '{run_key}'"
+            found = self.client.search_runs([self.experiment_id], query, max_results=1) if resumed else []
+            run = found[0] if found else None
+        created = run is None
+        if run is None:
+            run = self.client.create_run(
+                self.experiment_id, run_name=self.run_dir.name, tags={_KEY_TAG: run_key}
             )
-            if runs:
-                self.run_id = runs[0].info.run_id
-                self.client.update_run(self.run_id, status="RUNNING")
-                return  # its parameters were logged when it began (MLflow refuses to change them)
-        run = self.client.create_run(self.experiment_id, run_name=self.run_dir.name, tags={_KEY_TAG: run_key})
         self.run_id = run.info.run_id
-        values = [Param(key, str(value)[:_PARAM_LIMIT]) for key, value in params.items()]
-        self.client.log_batch(self.run_id, params=values)
+        if run.info.status != "RUNNING":
+            self.client.update_run(self.run_id, status="RUNNING")
+        if created or not resumed:
+            # MLflow refuses to change a parameter: those an attached run already has are kept.
+            values = [Param(k, str(v)[:_PARAM_LIMIT]) for k, v in params.items() if k not in run.data.params]
+            if values:
+                self.client.log_batch(self.run_id, params=values)
+        if not created and run.data.tags.get(_KEY_TAG) != run_key:  # attached: found again without it
+            self.client.set_tag(self.run_id, _KEY_TAG, run_key)
+        # What the run already holds: MLflow keeps each metric's latest value at its highest step.
+        return max((metric.step for metric in run.data.to_proto().metrics), default=None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._metrics(step, metrics)

@@ -15,6 +15,8 @@ that nothing joins: a process whose tracker is stuck still exits.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import queue
 import threading
 import time
@@ -32,19 +34,24 @@ PACKAGES = {"mlflow": "mlflow", "wandb": "wandb"}
 # Rows a tracker's queue holds while its thread is behind: a few floats each, so a few MB at most
 # for a tracker that is stuck, and 10,000 log points of slack for one that is only slow.
 QUEUE_ROWS = 10_000
+# In the run folder: per tracker, the last step handed to its run (see the module's docstring).
+MARKS = "trackers"
 
 
 class Tracker(Protocol):
     name: str
     where: str  # where it sends (a URI, a project), for the messages that name it
+    attach: str | None  # the run the environment names (MLFLOW_RUN_ID, WANDB_RUN_ID): it is the run key
+    describe: str  # for the run's log: where it logs, and what chose each setting
 
     def connect(self) -> None:
         """Reach the tracker's server without opening a run (``tracker_required`` checks it)."""
         ...
 
-    def start(self, params: dict[str, Any], run_key: str, resumed: bool) -> None:
+    def start(self, params: dict[str, Any], run_key: str, resumed: bool) -> int | None:
         """Open the tracker's run named by ``run_key`` (``resumed``: continue it if it exists);
-        ``params`` are logged when the run is new."""
+        ``params`` are logged when the run is new. Returns the last step a continued run already
+        holds, when the answer to opening it says (no further request), else None."""
         ...
 
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
@@ -75,7 +82,12 @@ def open_trackers(cfg: TrainConfig, run_dir: Path, warn: Callable[[str], None]) 
             from leantrain.extensions.wandb_tracker import WandbTracker
 
             trackers.append(WandbTracker(cfg.wandb_project, run_dir, cfg.tracker_timeout))
-    callbacks = [TrackerCallback(tracker, cfg.to_dict(), warn, cfg.tracker_timeout) for tracker in trackers]
+    callbacks = [
+        TrackerCallback(
+            tracker, cfg.to_dict(), warn, cfg.tracker_timeout, marks=run_dir / MARKS / f"{tracker.name}.json"
+        )
+        for tracker in trackers
+    ]
     if cfg.tracker_required:
         for callback in callbacks:
             callback.connect()
@@ -85,7 +97,8 @@ def open_trackers(cfg: TrainConfig, run_dir: Path, warn: Callable[[str], None]) 
 class TrackerCallback:
     """One tracker behind the callback seam: its calls queued to a thread, bounded in time and
     memory, its failure contained. Nothing the training thread does waits on the tracker, except
-    ``connect`` (asked for) and ``on_end`` (at most ``timeout`` seconds)."""
+    ``connect`` (asked for) and ``on_end`` (at most ``timeout`` seconds). ``marks``: the file that
+    records the last step handed to the tracker (None: not recorded, nothing skipped on resume)."""
 
     def __init__(
         self,
@@ -94,6 +107,7 @@ class TrackerCallback:
         warn: Callable[[str], None],
         timeout: float,
         max_rows: int = QUEUE_ROWS,
+        marks: Path | None = None,
     ) -> None:
         self.tracker = tracker
         self.params = params
@@ -104,8 +118,15 @@ class TrackerCallback:
         self.state_key = f"tracker:{tracker.name}"
         # Chosen here, not by the tracker: it is in the first checkpoint even when the tracker
         # (on its own thread) has not opened its run yet, so a resume always finds the same run.
-        self.run_key = uuid.uuid4().hex[:16]
+        self.run_key = getattr(tracker, "attach", None) or uuid.uuid4().hex[:16]
         self.resumed = False
+        self.marks = marks
+        # A resumed run's rows at or below this step reached the tracker before the interruption:
+        # set from the marks file (training thread, before the tracker's thread starts), then
+        # raised by the tracker's own answer (that thread, before it delivers any row).
+        self.sent_before: int | None = None
+        self.not_resent = 0  # rows of retrained steps the tracker already had
+        self._marked: int | None = None  # the step the marks file holds (the tracker's thread)
         self.switched_off = False
         self.dropped = 0  # rows refused because the queue was full
         self._unsent = 0  # rows queued or in flight
@@ -193,19 +214,47 @@ class TrackerCallback:
         return {"run_key": self.run_key}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.run_key, self.resumed = state["run_key"], True
+        # A run the environment names wins over the checkpoint's (the user moved the run there).
+        self.run_key = getattr(self.tracker, "attach", None) or state["run_key"]
+        self.resumed = True
+        if self.marks is not None:
+            self.sent_before = read_mark(self.marks, self.run_key)
+
+    def setup_lines(self) -> list[str]:
+        """For the run's log: where the tracker logs, what chose it, and what a resume will not resend."""
+        line = f"logger {self.tracker.name}: {getattr(self.tracker, 'describe', self.tracker.where)}"
+        if self.resumed:
+            line += "; continues its run"
+            if self.sent_before is not None:
+                line += (
+                    f", which got the rows up to step {self.sent_before} before the interruption: "
+                    "those steps, retrained, are not sent again"
+                )
+        return [line]
 
     def _submit(self, call: Callable[[], None]) -> None:
         if self._thread is None:
-            self._calls.put(lambda: self.tracker.start(self.params, self.run_key, self.resumed))
+            self._calls.put(self._start)
             name = f"leantrain-{self.tracker.name}"
             # A daemon: a tracker stuck for good must not keep the process from exiting.
             self._thread = threading.Thread(target=self._work, name=name, daemon=True)
             self._thread.start()
         self._calls.put(call)
 
+    def _start(self) -> None:
+        held = self.tracker.start(self.params, self.run_key, self.resumed)
+        if self.resumed and held is not None:  # the tracker's own record covers a marks file that lags it
+            self.sent_before = held if self.sent_before is None else max(self.sent_before, held)
+
     def _deliver(self, step: int, row: dict[str, float]) -> None:
-        self.tracker.log(step, row)
+        if self.sent_before is not None and step <= self.sent_before:
+            self.not_resent += 1  # a retrained step the tracker has: never twice, never backwards
+        else:
+            if self.marks is not None and step != self._marked:
+                # Written before the call, so a kill during it leaves the file ahead, never behind.
+                write_mark(self.marks, self.run_key, step)
+                self._marked = step
+            self.tracker.log(step, row)
         with self._lock:
             self._unsent -= 1
 
@@ -236,3 +285,25 @@ class TrackerCallback:
                 )
             finally:
                 self._busy_since = None
+
+
+def read_mark(path: Path, run_key: str) -> int | None:
+    """The last step handed to the tracker run ``run_key``, as ``path`` records it; None when the file
+    is missing, unreadable, or about another run."""
+    try:
+        with path.open("rb") as file:
+            mark = json.loads(file.read(4096))  # a few dozen bytes: more is not a marks file
+        step = mark["step"] if mark.get("run") == run_key else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def write_mark(path: Path, run_key: str, step: int) -> None:
+    """Record ``step`` as handed to the tracker run ``run_key``: replaced whole (a reader sees the old
+    file or the new one), not fsynced (a killed process loses nothing; once per row, on the
+    tracker's thread). A hidden temporary file, as the run folder's mirror skips them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"run": run_key, "step": step}) + "\n")
+    os.replace(tmp, path)

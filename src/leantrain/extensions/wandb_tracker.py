@@ -1,10 +1,17 @@
-"""Weights & Biases (``--logger wandb``, ``--wandb-project``); ``WANDB_MODE=offline`` needs no network."""
+"""Weights & Biases (``--logger wandb``, ``--wandb-project``); ``WANDB_MODE=offline`` needs no network.
+
+The environment W&B reads itself is honoured where no flag says otherwise: ``WANDB_PROJECT`` (else
+``leantrain``), ``WANDB_DIR`` (else the run folder), ``WANDB_NAME`` (else the run folder's name),
+``WANDB_RUN_ID`` (log into that run), ``WANDB_ENTITY`` and ``WANDB_MODE`` (never passed by leantrain).
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Any
+
+from leantrain.extensions.tracker_settings import choose
 
 # Modes in which W&B writes files and talks to no server.
 _LOCAL_MODES = ("offline", "dryrun", "disabled")
@@ -17,15 +24,20 @@ class WandbTracker:
         import wandb
 
         self.wandb = wandb
-        self.project = project or "leantrain"
+        self.project, project_from = choose(project, "--wandb-project", "WANDB_PROJECT", "leantrain")
         self.run_dir = run_dir
         self.run: Any = None
-        # The mode and server W&B will use, read from the environment without starting its service.
+        self.attach = os.environ.get("WANDB_RUN_ID") or None
+        # The settings W&B will use, read from the environment without starting its service.
         settings = wandb.Settings()
         settings.update_from_env_vars(dict(os.environ))
         self.offline = settings.mode in _LOCAL_MODES
-        server = f"{run_dir / 'wandb'} (offline, " if self.offline else f"{settings.base_url} ("
+        # W&B writes into DIR/wandb; leantrain passes the run folder as DIR only when WANDB_DIR is unset.
+        self.dir = None if os.environ.get("WANDB_DIR") else run_dir
+        files = Path(settings.root_dir if self.dir is None else run_dir) / "wandb"
+        server = f"{files} (offline, " if self.offline else f"{settings.base_url} ("
         self.where = f"{server}project {self.project})"
+        self.describe = self._describe(settings, files, project_from)
         # W&B's own bounds on opening and closing a run (its default waits for every upload at the
         # end, and at exit); a value the user set in WANDB_INIT_TIMEOUT/WANDB_FINISH_TIMEOUT is kept.
         bounds = {"init_timeout": timeout, "finish_timeout": timeout}
@@ -38,17 +50,35 @@ class WandbTracker:
         if not self.offline:
             self.wandb.login(verify=True, prompt=False)
 
-    def start(self, params: dict[str, Any], run_key: str, resumed: bool) -> None:
+    def _describe(self, settings: Any, files: Path, project_from: str) -> str:
+        """For the run's log: where it logs, and what chose each setting."""
+        env = os.environ
+        mode = f"{settings.mode} (WANDB_MODE)" if env.get("WANDB_MODE") else settings.mode
+        parts = [mode if self.offline else f"{mode} to {settings.base_url}"]
+        parts.append(f"files in {files} ({'WANDB_DIR' if self.dir is None else 'default: the run folder'})")
+        parts.append(f"project {self.project} ({project_from})")
+        parts += [f"entity {settings.entity} (WANDB_ENTITY)"] if env.get("WANDB_ENTITY") else []
+        parts += [f"run {self.attach} (WANDB_RUN_ID)"] if self.attach else []
+        return ", ".join(parts)
+
+    def start(self, params: dict[str, Any], run_key: str, resumed: bool) -> int | None:
         # The key is the W&B run id; resume="allow" continues that run (offline: synced as one).
+        # What the environment sets (WANDB_DIR, WANDB_NAME) is left to W&B to read.
+        chosen = {} if self.dir is None else {"dir": str(self.dir)}
+        chosen |= {} if os.environ.get("WANDB_NAME") else {"name": self.run_dir.name}
         self.run = self.wandb.init(
             project=self.project,
-            dir=str(self.run_dir),
-            name=self.run_dir.name,
             id=run_key,
             resume="allow",
             config=None if resumed else params,
             settings=self.wandb.Settings(silent=True, console="off", **self.bounds),
+            **chosen,
         )
+        if not resumed or self.offline:
+            return None
+        # Online, a continued run's next step is one past the last the server holds (offline: 0).
+        step = int(self.run.step)
+        return step - 1 if step > 0 else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(dict(metrics), step=step)

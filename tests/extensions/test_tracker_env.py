@@ -1,0 +1,215 @@
+"""The team's environment for the trackers (issue 40): ``MLFLOW_*`` and ``WANDB_*`` honoured (a flag >
+the environment > leantrain's default), and a resumed run's tracker gets each step once, in order.
+
+Each resumed run here is stopped after step 6 with its last checkpoint at step 4: rows 5 and 6
+reached the tracker before the interruption, and the resumed run trains steps 5 and 6 again.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import leantrain as lt
+from leantrain.extensions.trackers import MARKS, TrackerCallback
+from tests.conftest import TinyClassifier, quiet_config
+from tests.extensions.test_trackers import wandb_records
+from tests.test_resume import StopAt
+
+RUN = dict(global_batch_size=64, max_steps=8, log_every_n_steps=1, checkpoint_every=4)
+TEAM_VARIABLES = (
+    *("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID"),
+    *("WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_MODE", "WANDB_NAME"),
+)
+
+
+@pytest.fixture(autouse=True)
+def no_team_environment(monkeypatch):
+    """Each test sets what it tests; nothing from the machine's own environment leaks in."""
+    for name in TEAM_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory) -> Path:
+    """An MLflow SQLite store with its tables made: making them takes seconds, copying the file not."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow") / "empty.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def team_store(empty_store, tmp_path) -> str:
+    """The URI of a fresh MLflow store, as a team's server would be."""
+    shutil.copy(empty_store, tmp_path / "team.db")
+    return f"sqlite:///{tmp_path / 'team.db'}"
+
+
+def interrupted_then_resumed(out: Path, **settings) -> lt.FitResult:
+    """Stopped in step 7 (rows 1 to 6 sent, the newest checkpoint at step 4), then resumed to step 8."""
+    with pytest.raises(KeyboardInterrupt):
+        lt.Trainer(quiet_config(out, **RUN, **settings), callbacks=[StopAt(7)]).fit(TinyClassifier())
+    return lt.Trainer(quiet_config(out, **RUN, **settings, resume="auto")).fit(TinyClassifier())
+
+
+def metric_steps(client, run_id: str, metric: str) -> Counter:
+    return Counter(m.step for m in client.get_metric_history(run_id, metric))
+
+
+def test_mlflow_logs_where_the_environment_says_and_gets_each_step_once_across_a_resume(
+    tmp_path, team_store, monkeypatch, capsys
+):
+    """Bugs: MLFLOW_TRACKING_URI ignored (the run goes to the run folder's mlflow.db);
+    MLFLOW_EXPERIMENT_NAME ignored; rows of retrained steps sent again after a resume."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    team = team_store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", team)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team-experiment")
+    out = tmp_path / "run"
+    interrupted_then_resumed(out, logger="mlflow", progress="plain")
+    assert not (out / "mlflow.db").exists()
+    client = MlflowClient(tracking_uri=team)
+    experiment = client.get_experiment_by_name("team-experiment")
+    [run] = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED"
+    assert metric_steps(client, run.info.run_id, "train_loss") == Counter(range(1, 9))  # each step once
+    said = capsys.readouterr().out.splitlines()
+    assert (
+        f"logger mlflow: {team} (MLFLOW_TRACKING_URI), experiment team-experiment (MLFLOW_EXPERIMENT_NAME); "
+        "continues its run, which got the rows up to step 6 before the interruption: those steps, "
+        "retrained, are not sent again"
+    ) in said
+
+
+def test_mlflow_attaches_to_the_run_id_the_flag_wins_and_the_server_knows_what_it_holds(
+    tmp_path, team_store, monkeypatch
+):
+    """Bugs: MLFLOW_RUN_ID ignored (a run of its own is created); the environment's tracking URI
+    taken over ``--mlflow-uri``; after a resume whose marks file is gone (a run folder moved to
+    another machine), the tracker's own answer ignored (steps 5 and 6 sent again)."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    flag, ignored = team_store, tmp_path / "ignored.db"
+    client = MlflowClient(tracking_uri=flag)
+    experiment_id = client.create_experiment("made-by-the-team")
+    team_run = client.create_run(experiment_id, run_name="the team's run").info.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{ignored}")
+    monkeypatch.setenv("MLFLOW_RUN_ID", team_run)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        lt.Trainer(quiet_config(out, **RUN, logger="mlflow", mlflow_uri=flag), callbacks=[StopAt(7)]).fit(
+            TinyClassifier()
+        )
+    (out / MARKS / "mlflow.json").unlink()  # only the tracker's own record is left
+    lt.Trainer(quiet_config(out, **RUN, logger="mlflow", mlflow_uri=flag, resume="auto")).fit(
+        TinyClassifier()
+    )
+    assert not ignored.exists()
+    [run] = client.search_runs([experiment_id])
+    assert run.info.run_id == team_run and run.info.status == "FINISHED"
+    assert run.data.params["global_batch_size"] == "64"
+    assert metric_steps(client, team_run, "train_loss") == Counter(range(1, 9))
+    assert client.search_experiments(filter_string="name = 'leantrain'") == []
+
+
+def wandb_runs(files: Path) -> list[tuple[str, str, list[int]]]:
+    """(project, run id, the steps of its history rows with train_loss, in the order written) of each
+    W&B offline run folder under ``files``, oldest first."""
+    from wandb.proto import wandb_internal_pb2
+
+    found = []
+    for path in sorted(files.glob("offline-run-*/run-*.wandb"), key=lambda p: p.stat().st_mtime_ns):
+        project, run_id, steps = "", "", []
+        for data in wandb_records(path):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            if record.HasField("run"):
+                project, run_id = record.run.project, record.run.run_id
+            if record.HasField("history"):
+                keys = {item.key or "/".join(item.nested_key) for item in record.history.item}
+                if "train_loss" in keys:
+                    steps.append(record.history.step.num)
+        found.append((project, run_id, steps))
+    return found
+
+
+def test_wandb_writes_where_the_environment_says_and_gets_each_step_once_across_a_resume(
+    tmp_path, monkeypatch
+):
+    """Bugs: WANDB_DIR overridden by the run folder; WANDB_PROJECT or WANDB_RUN_ID ignored (leantrain's
+    project, an id of its own); rows of retrained steps sent again after a resume (W&B drops a step
+    that goes backwards, or keeps it twice once synced)."""
+    pytest.importorskip("wandb")
+    for name, value in [
+        ("WANDB_MODE", "offline"),
+        ("WANDB_SILENT", "true"),
+        ("WANDB_DIR", str(tmp_path / "wd")),
+    ]:
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("WANDB_PROJECT", "team-project")
+    monkeypatch.setenv("WANDB_RUN_ID", "teamrun01")
+    out = tmp_path / "run"
+    interrupted_then_resumed(out, logger="wandb")
+    assert not (out / "wandb").exists()
+    runs = wandb_runs(tmp_path / "wd" / "wandb")
+    deadline = time.monotonic() + 20  # W&B's own process may still be writing the resumed run's file
+    while (len(runs) < 2 or not runs[-1][2]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        runs = wandb_runs(tmp_path / "wd" / "wandb")
+    # Offline, each process writes a folder of its own: one run id, its steps in order, each once.
+    assert [(project, run_id) for project, run_id, _ in runs] == [("team-project", "teamrun01")] * 2
+    assert [step for *_, steps in runs for step in steps] == list(range(1, 9))
+
+
+class Receiver:
+    """A tracker that records each row as it arrives; from ``hang_at`` on it never answers (the
+    process is killed while the call is in flight)."""
+
+    name, where, attach, describe = "mlflow", "fake://tracking", None, "fake://tracking"
+
+    def __init__(self, hang_at: int | None = None) -> None:
+        self.hang_at = hang_at
+        self.received: list[int] = []
+        self.hung = threading.Event()
+
+    def start(self, params, run_key, resumed) -> None:
+        return None  # the tracker's own answer says nothing of what it holds
+
+    def log(self, step, metrics) -> None:
+        self.received.append(step)
+        if step == self.hang_at:
+            self.hung.set()
+            threading.Event().wait()  # never answers: the daemon thread is left behind
+
+    def finish(self, summary) -> None:
+        pass
+
+
+def test_a_row_in_flight_when_the_process_dies_is_never_sent_twice(tmp_path):
+    """Bug: the marks file written after each row's call, not before: a kill during the call leaves
+    it one row behind what the tracker got, and the resumed run sends that step again."""
+    marks = tmp_path / MARKS / "mlflow.json"
+    before = Receiver(hang_at=6)
+    killed = TrackerCallback(before, {}, lambda text: None, timeout=60, marks=marks)
+    for step in range(1, 7):
+        killed.on_log(step, {"loss": 1.0})
+    assert before.hung.wait(30)  # row 6 reached the tracker; its call never returns
+    after = Receiver()
+    resumed = TrackerCallback(after, {}, lambda text: None, timeout=60, marks=marks)
+    resumed.load_state_dict(killed.state_dict())  # the checkpoint of step 4 holds the run's key
+    for step in range(5, 9):
+        resumed.on_log(step, {"loss": 1.0})
+    resumed.on_end({"steps": 8})
+    assert before.received == [1, 2, 3, 4, 5, 6] and after.received == [7, 8]
+    assert resumed.not_resent == 2
