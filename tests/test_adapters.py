@@ -168,3 +168,62 @@ def test_export_refuses_another_base_and_merge_without_the_transformers_format(w
 
 def another_base() -> TinyLlamaLoRA:
     return TinyLlamaLoRA(base_seed=1)
+
+
+class BaseOnly(TinyLlamaLoRA):
+    """The same model without an adapter: ``--lora-rank`` adds it."""
+
+    def model(self):
+        return self.base()
+
+
+def base_only() -> BaseOnly:
+    return BaseOnly()
+
+
+def test_lora_flags_give_the_tasks_model_adapters(tmp_path):
+    from leantrain.errors import ConfigError, TaskError
+
+    flags = {"lora_rank": 4, "lora_targets": "q_proj,v_proj", "lora_alpha": 8.0, "max_steps": 2}
+    result = fit(tmp_path / "run", BaseOnly(), **flags)
+    weights = load_file(result.out_dir / "model.safetensors")
+    assert len(weights) == 8 and all(".lora_" in name for name in weights)  # A and B, q and v, 2 layers
+    assert weights["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"].shape == (4, 32)
+    config = (result.out_dir / "adapter" / "adapter_config.json").read_text()
+    assert '"r": 4' in config and '"lora_alpha": 8.0' in config
+    with pytest.raises(ConfigError, match="already returns an adapter"):
+        fit(tmp_path / "twice", TinyLlamaLoRA(), lora_rank=4)
+    with pytest.raises(TaskError, match="--lora-targets nope"):
+        fit(tmp_path / "nope", BaseOnly(), lora_rank=4, lora_targets="nope")
+
+
+def test_export_of_a_lora_flag_run_draws_the_base_as_the_run_did(tmp_path):
+    """GPT-2 drawn at random from the run's seed (no fixed base): export seeds as the run did, so
+    the fingerprint matches and the merged model computes what the trained one did."""
+    from transformers import AutoModelForCausalLM
+
+    from leantrain import cli
+    from leantrain.runtime import seed_everything
+
+    task = "tests.distributed.tasks:tiny_gpt2"
+    run = tmp_path / "run"
+    assert cli.main(["fit", "--task", task, "--lora-rank", "4", "--lora-targets", "c_attn",
+                     "--max-steps", "2", "--global-batch-size", "4", "--seed", "7", "--out", str(run),
+                     "--progress", "none", "--logger", "none"]) == 0  # fmt: skip
+    out = tmp_path / "merged"
+    checkpoint = str(run / "checkpoints" / "step-00000002.pt")
+    assert (
+        cli.main(["export", checkpoint, str(out), "--format", "transformers", "--merge", "--task", task]) == 0
+    )
+
+    from leantrain.adapters import with_lora
+    from tests.distributed.tasks import tiny_gpt2
+
+    seed_everything(7)
+    trained = with_lora(tiny_gpt2().model(), {"lora_rank": 4, "lora_targets": "c_attn"})
+    trained.load_state_dict(load_file(run / "model.safetensors"), strict=False)
+    tokens = torch.arange(16).view(1, 16)
+    with torch.no_grad():
+        expected = trained.eval()(input_ids=tokens).logits
+        got = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=tokens).logits
+    assert torch.allclose(got, expected, rtol=0, atol=1e-5)

@@ -16,7 +16,7 @@ SOURCE = Path(leantrain.__file__).parent
 # Lowest first. A module may import its own layer or any layer below it, never above.
 LAYERS = [
     ("leaves", ["_version", "errors", "files", "units", "blocks", "config", "task", "cluster", "runtime",
-                "stop_signals", "checkpoint", "bounded_read", "remote"]),
+                "stop_signals", "checkpoint", "bounded_read", "remote", "adapters"]),
     ("step", ["step"]),
     ("pieces", ["strategies", "data", "memory", "log", "launch", "diagnose.advice", "diagnose.flops",
                 "diagnose.probe", "diagnose.syncs", "diagnose.timer", "examples", "extensions"]),

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from leantrain.errors import CheckpointError, TaskError
+from leantrain.errors import CheckpointError, ConfigError, TaskError
 from leantrain.files import as_the_umask_says, writing
 
 FINGERPRINT_SAMPLES = 1024  # elements read per frozen tensor: cheap even for a 70B base
@@ -162,6 +162,18 @@ def merged(model: nn.Module) -> nn.Module:
             "without one: leave --merge out"
         )
     return model.merge_and_unload()
+
+
+def with_lora(model: nn.Module, settings: dict[str, Any]) -> nn.Module:
+    """``model`` with the adapters that ``settings`` (a run's config, as a dict) ask for with
+    ``lora_rank``; the model itself without it."""
+    rank = settings.get("lora_rank")
+    if rank is None:
+        return model
+    if is_adapter_model(model):
+        raise ConfigError("lora_rank", rank, "task.model() already returns an adapter (peft) model")
+    targets = (settings.get("lora_targets") or "all-linear").split(",")
+    return lora_model(model, rank, settings.get("lora_alpha"), settings.get("lora_dropout", 0.0), targets)
 
 
 def lora_model(

@@ -27,10 +27,17 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from leantrain.adapters import FrozenBase, check_not_adapter_checkpoint, load_adapter_weights, merged
+from leantrain.adapters import (
+    FrozenBase,
+    check_not_adapter_checkpoint,
+    load_adapter_weights,
+    merged,
+    with_lora,
+)
 from leantrain.errors import CheckpointError, TaskError
 from leantrain.files import as_the_umask_says, atomic_write, check_folder, writing
 from leantrain.remote import RemoteFolder, is_url
+from leantrain.runtime import seed_everything
 
 FORMAT = "leantrain-checkpoint"
 FORMAT_VERSION = 1
@@ -377,21 +384,25 @@ def export_checkpoint(checkpoint: Path | str, out: Path | str, choose: WeightsOf
 
 
 def export_pretrained(
-    model: nn.Module,
+    make_model: Callable[[], nn.Module],
     checkpoint: Path | str,
     out: Path | str,
     choose: WeightsOf | None = None,
     merge: bool = False,
 ) -> Path:
-    """``leantrain export --format transformers``: the checkpoint's weights loaded into ``model``
-    (the task's, freshly made) and written by its own ``save_pretrained`` into the folder ``out``:
-    for an adapter model, the adapter in PEFT's format, or with ``merge`` the merged model."""
+    """``leantrain export --format transformers``: the checkpoint's weights loaded into the task's
+    model (``make_model``, called as the run called it: after seeding with the run's seed, so that
+    a base drawn at random is the one an adapter trained on) and written by its own
+    ``save_pretrained`` into the folder ``out``: for an adapter model, the adapter in PEFT's format,
+    or with ``merge`` the merged model."""
+    weights, state = _checkpoint_weights(checkpoint, choose)
+    seed_everything(state["config"]["seed"])
+    model = with_lora(make_model(), state["config"])  # a run's --lora-* adapters
     if not callable(getattr(model, "save_pretrained", None)):
         raise TaskError(
             f"--format transformers needs a transformers model (one with save_pretrained); "
             f"task.model() returned a {type(model).__name__}: use the default safetensors format"
         )
-    weights, state = _checkpoint_weights(checkpoint, choose)
     _fill(model, weights, state, checkpoint)
     if merge:
         model = merged(model)

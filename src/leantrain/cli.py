@@ -332,8 +332,8 @@ def run_export(values: dict[str, Any], console: Console) -> None:
         if not (values["task"] or values["example"]):
             raise TaskError("export --format transformers needs --task or --example: the model to fill")
         task, _ = resolve_task(values["task"], values["example"])
-        model = call_task("task.model()", task.model)
-        write = functools.partial(export_pretrained, model, choose=choose, merge=values["merge"])
+        make_model = functools.partial(call_task, "task.model()", task.model)
+        write = functools.partial(export_pretrained, make_model, choose=choose, merge=values["merge"])
     # Either may be a URL (object storage): read and written through a local copy.
     written = exported(str(values["checkpoint"]), str(values["out"]), write)
     console.print(f"wrote {written}")

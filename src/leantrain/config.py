@@ -30,6 +30,7 @@ WorkerChoice = Literal["auto", "tune"]
 Auto = Literal["auto"]
 Never = Literal["never"]
 LrScaling = Literal["none", "linear", "sqrt"]
+LrSchedule = Literal["task", "constant", "linear", "cosine"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
 ProgressMode = Literal["auto", "rich", "plain", "none"]
 MetricMode = Literal["min", "max"]
@@ -50,6 +51,7 @@ GROUPS = {
     "checkpointing": "Checkpoints and resume",
     "early stopping": "Early stopping",
     "averaging": "Weight averaging",
+    "adapters": "Adapters (LoRA through peft)",
 }
 
 # Epochs trained when neither max_steps nor max_epochs is given.
@@ -89,6 +91,24 @@ class TrainConfig:
     )
     reference_batch_size: int | None = _field(
         None, "optimization", "the global batch the task's learning rates were tuned for (with lr_scaling)"
+    )
+    lr_schedule: LrSchedule = _field(
+        "task",
+        "optimization",
+        "the learning-rate schedule over the run's optimizer steps: task (the task's scheduler, if it has "
+        "one; else constant rates); constant, linear (to 0 at the last step) or cosine (half a cosine "
+        "to 0), after lr_warmup_steps",
+    )
+    lr_warmup_steps: int | float = _field(
+        0,
+        "optimization",
+        "with lr_schedule constant, linear or cosine: steps over which the learning rate rises linearly "
+        "from 0 to the task's rates; an integer, or a fraction of the run's steps below 1 (0.1)",
+    )
+    lr_min_ratio: float = _field(
+        0.0,
+        "optimization",
+        "with lr_schedule linear or cosine: decay to this fraction of the rates, not to 0",
     )
     # precision
     precision: Precision = _field(
@@ -213,13 +233,14 @@ class TrainConfig:
     mlflow_uri: str | None = _field(
         None,
         "logging",
-        "with logger mlflow: the tracking URI (a server, sqlite:///x.db, a folder); null: the sqlite "
-        "file mlflow.db in the run folder",
+        "with logger mlflow: the tracking URI (a server, sqlite:///x.db, a folder); null: "
+        "MLFLOW_TRACKING_URI, else the sqlite file mlflow.db in the run folder",
     )
     wandb_project: str | None = _field(
         None,
         "logging",
-        "with logger wandb: the W&B project; null: leantrain (WANDB_MODE=offline is honoured)",
+        "with logger wandb: the W&B project; null: WANDB_PROJECT, else leantrain (WANDB_MODE, WANDB_DIR "
+        "and the other WANDB_* variables are honoured)",
     )
     tracker_timeout: float = _field(
         30.0,
@@ -291,6 +312,23 @@ class TrainConfig:
     ema_validate: bool = _field(
         False, "averaging", "with ema_decay: validate the averaged weights instead of the trained ones"
     )
+    # adapters
+    lora_rank: int | None = _field(
+        None,
+        "adapters",
+        "train LoRA adapters of this rank on the task's model (peft): the model is frozen, and only the "
+        "adapters train and are kept in checkpoints; null: train the model (or the task's own adapter)",
+    )
+    lora_targets: str | None = _field(
+        None,
+        "adapters",
+        "with lora_rank: the modules that get adapters, as comma-separated names (q_proj,v_proj: every "
+        "module whose name ends so) or all-linear; null: all-linear",
+    )
+    lora_alpha: float | None = _field(
+        None, "adapters", "with lora_rank: the adapters' scale is lora_alpha / lora_rank; null: 2 x lora_rank"
+    )
+    lora_dropout: float = _field(0.0, "adapters", "with lora_rank: dropout on the adapters' inputs")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -317,6 +355,7 @@ class TrainConfig:
                 self.reference_batch_size,
                 "is needed with lr_scaling linear or sqrt, and only with them",
             )
+        self._validate_schedule()
         if self.activation_checkpointing is not None:
             BlockPolicy.parse(self.activation_checkpointing)  # raises a ConfigError naming the field
         if self.activation_checkpointing == "auto" and (
@@ -339,6 +378,24 @@ class TrainConfig:
             raise ConfigError("device", self.device, "allowed: auto, cpu, cuda, cuda:N, mps")
         self._validate_storage()
         self._validate_watching()
+        self._validate_adapters()
+
+    def _validate_schedule(self) -> None:
+        """The warmup and the floor belong to a built-in schedule (a task's scheduler has its own)."""
+        if self.lr_warmup_steps and self.lr_schedule == "task":
+            raise ConfigError(
+                "lr_warmup_steps", self.lr_warmup_steps, "needs lr_schedule constant, linear or cosine"
+            )
+        if self.lr_min_ratio and self.lr_schedule not in ("linear", "cosine"):
+            raise ConfigError("lr_min_ratio", self.lr_min_ratio, "needs lr_schedule linear or cosine")
+
+    def _validate_adapters(self) -> None:
+        """The adapter's settings belong to ``lora_rank``."""
+        if self.lora_rank is not None:
+            return
+        for name, unset in (("lora_targets", None), ("lora_alpha", None), ("lora_dropout", 0.0)):
+            if (value := getattr(self, name)) != unset:
+                raise ConfigError(name, value, "needs lora_rank (the adapters' rank)")
 
     def _validate_storage(self) -> None:
         """URLs (object storage): a scheme this machine can serve; the staging folder only with one."""
@@ -443,6 +500,11 @@ _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "micro_batch_size": (lambda v: v == "auto" or v > 0, "must be a positive integer, auto or null"),
     "reference_batch_size": (_positive, "must be a positive integer"),
     "pipeline_stages": (lambda v: v >= 2, "must be 2 or more"),
+    "lr_warmup_steps": (
+        lambda v: v >= 0 and (isinstance(v, int) or v < 1),
+        "must be a number of steps (0 or more) or a fraction of the run's steps below 1 (0.1)",
+    ),
+    "lr_min_ratio": (lambda v: 0 <= v < 1, "must be 0 or more and below 1"),
     "max_steps": (_positive, "must be a positive integer"),
     "max_epochs": (_positive, "must be a positive integer"),
     "max_grad_norm": (lambda v: 0 < v < math.inf, "must be a positive finite number (null: no clipping)"),
@@ -460,6 +522,13 @@ _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "hang_timeout": (lambda v: 0 <= v < math.inf, "must be 0 (off) or a positive number of seconds"),
     "tracker_timeout": (lambda v: 0 < v < math.inf, "must be a positive number of seconds"),
     "ema_decay": (lambda v: 0 < v < 1, "must be between 0 and 1 (exclusive), e.g. 0.999"),
+    "lora_rank": (_positive, "must be a positive integer"),
+    "lora_targets": (
+        lambda v: re.fullmatch(r"[\w.\-]+(,[\w.\-]+)*", v) is not None,
+        "must be comma-separated module names (q_proj,v_proj) or all-linear",
+    ),
+    "lora_alpha": (lambda v: 0 < v < math.inf, "must be a positive number"),
+    "lora_dropout": (lambda v: 0 <= v < 1, "must be 0 or more and below 1"),
     "logger": (
         lambda v: v == "none" or (bool(v) and set(v.split(",")) <= set(LOGGERS)),
         f"must be none or a comma-separated list of {', '.join(LOGGERS)}",

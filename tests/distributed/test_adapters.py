@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from tests.distributed.conftest import trained_weights
 
@@ -27,8 +28,10 @@ def test_fsdp_adapter_trains_as_one_process_and_resumes_exactly(tmp_path):
     assert any(value.abs().max() > 0 for name, value in one.items() if "lora_B" in name)
     two = trained_weights(tmp_path / "two", [*FIT, "--strategy", "fsdp"], processes=2)
     assert_close(two, one, 1e-10)  # float64: the same sums in another order
-    shards = sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step-00000004.dcp").iterdir())
-    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    folder = tmp_path / "two" / "checkpoints" / "step-00000004.dcp"
+    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    stored = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    assert {key.removeprefix("model.") for key in stored if key.startswith("model.")} == set(one)  # no base
 
     # Killed after step 2: its last checkpoint gone, resumed on two processes, then on one.
     for name in ("again", "on_one"):

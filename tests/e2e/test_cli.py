@@ -192,6 +192,10 @@ FROZEN_FIT_FLAGS = {
     "--early-stop-min-delta",
     "--ema-decay",
     "--ema-validate",
+    "--lora-rank",
+    "--lora-targets",
+    "--lora-alpha",
+    "--lora-dropout",
     "--hang-timeout",
     "--async-checkpoint",
 }

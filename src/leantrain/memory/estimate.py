@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.data import IterableDataset
 
+from leantrain.adapters import with_lora
 from leantrain.blocks import BlockPolicy, block_classes, matching_blocks
 from leantrain.config import TrainConfig
 from leantrain.data.hf import torch_rows
@@ -125,7 +126,7 @@ def measure(
     """One row per micro-batch size, for one checkpointing setting (no budget applied)."""
     try:
         with torch.device("meta"):
-            model = task.model()
+            model = with_lora(task.model(), cfg.to_dict())
     except Exception as error:
         raise TaskError(f"plan builds task.model() on the meta device, and it failed: {error}") from error
     precision = make_precision(cfg.precision, CPU)
@@ -186,7 +187,7 @@ def fewest_checkpointed_blocks(task: Any, cfg: TrainConfig, budget: int, world_s
     if fits(None):
         return None
     with torch.device("meta"):
-        model = task.model()
+        model = with_lora(task.model(), cfg.to_dict())
     classes = block_classes(model)
     if not classes:
         raise LeantrainError(

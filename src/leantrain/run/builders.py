@@ -13,7 +13,8 @@ observers last (they log what the others decided).
    strategy that traces the model gets the task's loss and a first micro-batch: ``example_of``);
    every rank draws its own random numbers from there on;
 2. ``build_optimization``: the optimizer over what the strategy says it updates, learning-rate
-   scaling, the task's scheduler, and the memory policy that sizes the micro-batch;
+   scaling, the scheduler (the task's or a built-in one: ``step/schedules.py``), and the memory
+   policy that sizes the micro-batch;
 3. ``build_data``: the loaders from the resumed step on, cut as the (searched) split says;
 4. ``build_observers``: the log, the callbacks (their state restored), the health of the numbers,
    the heartbeat and the hang watchdog, the compiler's events.
@@ -31,7 +32,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from leantrain.adapters import FrozenBase, adapter_summary, with_lora
 from leantrain.blocks import BlockPolicy
+from leantrain.config import TrainConfig
 from leantrain.data.build import TrainData, build_train_loader, build_val_loader
 from leantrain.data.loader import collate, move_to_device
 from leantrain.data.workers import cpus_per_process
@@ -56,6 +59,7 @@ from leantrain.step.batching import BatchSplit
 from leantrain.step.compilation import CompileWatch, compile_model
 from leantrain.step.evaluation import metric_names
 from leantrain.step.precision import Precision, make_precision
+from leantrain.step.schedules import BuiltInSchedule, make_scheduler, shorter_than_the_run
 from leantrain.strategies.base import Example, Strategy
 from leantrain.strategies.process_group import group_store
 from leantrain.task import call_task
@@ -66,6 +70,7 @@ class PreparedModel(NamedTuple):
     """The task's model before the strategy: precision applied, blocks recomputed, compiled."""
 
     model: nn.Module  # on the strategy's build device
+    frozen: FrozenBase | None  # an adapter model's base, as task.model() made it
     precision: Precision
     prepared: list[nn.Parameter]  # what precision.prepare returned: the optimizer's, before wrapping
     recompute: str | None  # the activation checkpointing policy, ``auto`` resolved
@@ -76,10 +81,11 @@ class PreparedModel(NamedTuple):
 def prepare_model(ctx: RunContext, strategy: type[Strategy]) -> PreparedModel:
     """Precision first (before any wrapper), then activation checkpointing, then compiling."""
     cfg, task = ctx.cfg, ctx.task
-    model = _task_model(task).to(strategy.build_device(ctx.device))
+    model = _task_model(task, cfg).to(strategy.build_device(ctx.device))
+    frozen = FrozenBase.of(model)  # before 16-bit: the base's values as a resume makes them again
     precision = ctx.instruments.precision(make_precision(cfg.precision, ctx.device))
     prepared = precision.prepare(model)
-    notes = []
+    notes = [] if frozen is None else [adapter_summary(model)]
     policy = cfg.activation_checkpointing
     if policy == "auto":
         budget = parse_bytes(cfg.memory_budget) or 0
@@ -92,7 +98,7 @@ def prepare_model(ctx: RunContext, strategy: type[Strategy]) -> PreparedModel:
     if compiled:
         shown = ", ".join(compiled[:3]) + (", ..." if len(compiled) > 3 else "")
         notes.append(f"compile {cfg.compile} (mode {cfg.compile_mode}): {len(compiled)} module(s) ({shown})")
-    return PreparedModel(model, precision, prepared, policy, recomputed, notes)
+    return PreparedModel(model, frozen, precision, prepared, policy, recomputed, notes)
 
 
 def build_model_part(
@@ -108,16 +114,17 @@ def build_model_part(
         seed_everything(derived_seed(ctx.cfg.seed, ctx.env.rank))
     batch_norms = batch_norm_layers(prepared.model)  # as wrapped: --sync-batchnorm converts them in place
     return ModelPart(
-        built, prepared.precision, prepared.prepared, prepared.recompute, prepared.recomputed, batch_norms,
-        prepared.notes,
+        built, prepared.frozen, prepared.precision, prepared.prepared, prepared.recompute,
+        prepared.recomputed, batch_norms, prepared.notes,
     )  # fmt: skip
 
 
-def _task_model(task: Any) -> nn.Module:
-    """``task.model()``, checked: a Module with something to train."""
+def _task_model(task: Any, cfg: TrainConfig) -> nn.Module:
+    """``task.model()`` (with the ``--lora-*`` adapters), checked: a Module with something to train."""
     model = call_task("task.model()", task.model)
     if not isinstance(model, nn.Module):
         raise TaskError(f"task.model() must return a torch.nn.Module, got {type(model).__name__}")
+    model = with_lora(model, cfg.to_dict())
     params = list(model.parameters())
     if not any(p.requires_grad for p in params):
         held = f"{len(params)} parameters, all with requires_grad=False" if params else "no parameters at all"
@@ -138,8 +145,9 @@ def example_of(task: Any, dataset: Any, split: BatchSplit, device: torch.device)
     return Example(task.loss, first_batch)
 
 
-def build_optimization(ctx: RunContext, model: ModelPart) -> Optimization:
-    """The optimizer over what the strategy updates, scaled learning rates, the scheduler, the sizer."""
+def build_optimization(ctx: RunContext, model: ModelPart, total_steps: int) -> Optimization:
+    """The optimizer over what the strategy updates, scaled learning rates, the scheduler (the task's,
+    given ``total_steps`` when it takes them, or a built-in one), the sizer."""
     cfg, task = ctx.cfg, ctx.task
     params = model.strategy.optimizer_params(model.prepared)
     optimizer = call_task("task.optimizer(params)", task.optimizer, iter(params))
@@ -147,11 +155,15 @@ def build_optimization(ctx: RunContext, model: ModelPart) -> Optimization:
     notes = []
     if cfg.lr_scaling != "none":  # before the scheduler, which records the base learning rates
         notes.append(scale_learning_rates(optimizer, cfg))
-    scheduler_fn = getattr(task, "scheduler", None)
-    scheduler = scheduler_fn(optimizer) if callable(scheduler_fn) else None
+    scheduler = make_scheduler(task, optimizer, cfg, total_steps)
+    if isinstance(scheduler, BuiltInSchedule):
+        notes.append(f"learning-rate schedule: {scheduler.shape.describe()}")
     sizer = MicroBatchSizer(task, cfg, model.precision, model.model, ctx.device, ctx.env, model.recompute)
     averaged = cfg.ema_decay is not None
-    return Optimization(model, params, optimizer, scheduler, sizer, cfg.max_grad_norm, averaged, notes)
+    part = Optimization(model, params, optimizer, scheduler, sizer, cfg.max_grad_norm, averaged, notes)
+    if (too_short := shorter_than_the_run(scheduler, total_steps)) is not None:
+        part.warnings.append(too_short)
+    return part
 
 
 def _check_optimizer_holds(optimizer: Any, params: list[nn.Parameter]) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from leantrain.adapters import ADAPTER_FOLDER
 from leantrain.data.build import load_train_data
 from leantrain.errors import NonFiniteLossError, RunInterrupted
 from leantrain.files import atomic_write_json
@@ -49,7 +50,7 @@ class Run:
         train = load_train_data(ctx.task, cfg, ctx.env)
         schedule = Schedule.of(cfg, train.size, split)
         self.model = build_model_part(ctx, strategy, prepared, train, split)
-        self.optimization = build_optimization(ctx, self.model)
+        self.optimization = build_optimization(ctx, self.model, schedule.total_steps)
         self.persistence = Persistence(ctx)
         self.resumed = self.persistence.resume(
             self.model, self.optimization, train.size, schedule.total_steps
@@ -78,6 +79,11 @@ class Run:
         notes = self.model.setup_lines() + self.optimization.notes + self.optimization.sizer.notes
         for note in notes + self.data.train.notes + self.resumed.notes:
             logger.message(note)
+        for callback in self.observers.callbacks:  # trackers: where they log, and what chose it
+            for line in callback.setup_lines() if hasattr(callback, "setup_lines") else []:
+                logger.message(line)
+        for text in self.optimization.warnings:  # the scheduler's, found at set-up or resume
+            logger.warning(text)
         if (slow := emulated_precision(self.model.precision.name, ctx.device)) is not None:
             logger.warning(slow)
         self._warn_about_batch_norm()
@@ -273,7 +279,9 @@ class Run:
     def finish(self) -> FitResult:
         """Write the weights and summary.json (rank 0); return the result."""
         ctx = self.ctx
-        self.model.write_weights(ctx.run_dir / "model.safetensors", ctx.env.is_main)
+        self.model.write_weights(
+            ctx.run_dir / "model.safetensors", ctx.env.is_main, ctx.run_dir / ADAPTER_FOLDER
+        )
         breakdown = self.optimization.memory.known
         result = fit_result(
             ctx,
