@@ -17,6 +17,7 @@ import leantrain as lt
 from leantrain.cli import main
 from leantrain.step.schedules import finite_length, shorter_than_the_run
 from tests.conftest import RegressionTask, quiet_config
+from tests.test_resume import StopAt
 
 BASE_LR = 0.05  # RegressionTask's SGD
 # 160 samples / 16 = 10 steps an epoch.
@@ -50,15 +51,6 @@ class UsedRates(RegressionTask):
                 return super().step(closure)
 
         return Recording(params, lr=BASE_LR, momentum=0.9)
-
-
-class StopAt:
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step(self, stats: lt.StepStats) -> None:
-        if stats.step == self.step:
-            raise KeyboardInterrupt
 
 
 def train(out_dir, task=None, callbacks=(), **changes) -> UsedRates:

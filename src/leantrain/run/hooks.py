@@ -41,6 +41,8 @@ class Callback(Protocol):
       shards, by its keys, in place.
     - ``evaluated_weights()``: a context manager each validation runs in (with the callbacks'
       ``on_log`` of its metrics); the weight average swaps itself in there.
+    - ``setup_lines()``: lines for the run log's set-up block, printed once before the first
+      step (the trackers say where they log, and which flag or variable chose it).
 
     Trackers, early stopping, best checkpoints and the weight average are built on these
     (``leantrain.extensions``).
