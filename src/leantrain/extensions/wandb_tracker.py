@@ -32,9 +32,13 @@ class WandbTracker:
         settings = wandb.Settings()
         settings.update_from_env_vars(dict(os.environ))
         self.offline = settings.mode in _LOCAL_MODES
-        # W&B writes into DIR/wandb; leantrain passes the run folder as DIR only when WANDB_DIR is unset.
-        self.dir = None if os.environ.get("WANDB_DIR") else run_dir
-        files = Path(settings.root_dir if self.dir is None else run_dir) / "wandb"
+        # W&B writes into DIR/wandb: WANDB_DIR, else the run folder. Passed to init even when it comes
+        # from the environment: W&B reads its environment once per process, so a second run in the same
+        # process (a notebook, a test session) would otherwise write where the first one's WANDB_DIR said.
+        self.dir_from = "WANDB_DIR" if os.environ.get("WANDB_DIR") else "default: the run folder"
+        self.dir = Path(settings.root_dir) if os.environ.get("WANDB_DIR") else run_dir
+        self.mode, self.entity = settings.mode, os.environ.get("WANDB_ENTITY") or None
+        files = self.dir / "wandb"
         server = f"{files} (offline, " if self.offline else f"{settings.base_url} ("
         self.where = f"{server}project {self.project})"
         self.describe = self._describe(settings, files, project_from)
@@ -55,24 +59,25 @@ class WandbTracker:
         env = os.environ
         mode = f"{settings.mode} (WANDB_MODE)" if env.get("WANDB_MODE") else settings.mode
         parts = [mode if self.offline else f"{mode} to {settings.base_url}"]
-        parts.append(f"files in {files} ({'WANDB_DIR' if self.dir is None else 'default: the run folder'})")
+        parts.append(f"files in {files} ({self.dir_from})")
         parts.append(f"project {self.project} ({project_from})")
         parts += [f"entity {settings.entity} (WANDB_ENTITY)"] if env.get("WANDB_ENTITY") else []
         parts += [f"run {self.attach} (WANDB_RUN_ID)"] if self.attach else []
         return ", ".join(parts)
 
     def start(self, params: dict[str, Any], run_key: str, resumed: bool) -> int | None:
-        # The key is the W&B run id; resume="allow" continues that run (offline: synced as one).
-        # What the environment sets (WANDB_DIR, WANDB_NAME) is left to W&B to read.
-        chosen = {} if self.dir is None else {"dir": str(self.dir)}
-        chosen |= {} if os.environ.get("WANDB_NAME") else {"name": self.run_dir.name}
+        # The key is the W&B run id; resume="allow" continues that run (offline: synced as one). Every
+        # setting read from the environment in __init__ is passed, not left to W&B's once-per-process read.
         self.run = self.wandb.init(
             project=self.project,
+            entity=self.entity,
+            dir=str(self.dir),
+            name=os.environ.get("WANDB_NAME") or self.run_dir.name,
+            mode=self.mode,
             id=run_key,
             resume="allow",
             config=None if resumed else params,
             settings=self.wandb.Settings(silent=True, console="off", **self.bounds),
-            **chosen,
         )
         if not resumed or self.offline:
             return None
