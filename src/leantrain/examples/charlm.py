@@ -3,6 +3,14 @@
 The text is ``pydoc_data.topics`` (the help topics of the Python docs, about 460 K
 characters). The loss is token-level: a :class:`~leantrain.task.LossSum` of the
 cross-entropy over every predicted character and the number of characters.
+
+``layout`` chooses the training items: ``chunks`` (the default: ``block`` characters and the same
+shifted by one), ``documents`` (the text's paragraphs, each cut to at most ``block`` characters, as
+1-D tensors: the token documents that ``--pack-length`` packs, at most ``block``) or ``padded`` (the
+same documents padded to ``block``: ``input_ids``, ``labels`` with -100 at the padding, and
+``attention_mask``; what training on documents costs without packing). A packed batch's
+``position_ids`` and ``document_ids`` reach the model, whose attention then stays inside each document
+(``document_attention``).
 """
 
 from __future__ import annotations
@@ -15,7 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from leantrain.data.document_attention import document_attention
+from leantrain.data.packing import IGNORE_INDEX
+from leantrain.errors import TaskError
 from leantrain.task import LossSum
+
+LAYOUTS = ("chunks", "documents", "padded")
 
 
 @cache
@@ -43,6 +56,42 @@ class CharChunks(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+def at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """Logits for the loss: 16-bit ones in float32 (an exact softmax sum), float64 ones kept."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def paragraphs(codes: torch.Tensor, break_code: int, longest: int) -> list[torch.Tensor]:
+    """The text's paragraphs (split at blank lines), each cut into pieces of at most ``longest`` codes."""
+    breaks = ((codes[:-1] == break_code) & (codes[1:] == break_code)).nonzero().flatten().tolist()
+    documents = []
+    for start, stop in zip([0, *(at + 2 for at in breaks)], [*breaks, len(codes)], strict=True):
+        documents += [piece for piece in codes[start:stop].split(longest) if len(piece) > 1]
+    return documents
+
+
+class Documents(Dataset):
+    """Token documents: item ``i`` is document ``i``, or (``pad_to``) a dict of it padded to ``pad_to``."""
+
+    def __init__(self, documents: list[torch.Tensor], pad_to: int | None = None) -> None:
+        self.documents, self.pad_to = documents, pad_to
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitem__(self, index: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        document = self.documents[index]
+        if self.pad_to is None:
+            return document
+        padding = self.pad_to - len(document)
+        labels = torch.cat([document[1:], document.new_full((padding + 1,), IGNORE_INDEX)])
+        return {
+            "input_ids": F.pad(document, (0, padding)),
+            "labels": labels,
+            "attention_mask": F.pad(torch.ones_like(document), (0, padding)),
+        }
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention, then an MLP."""
 
@@ -57,13 +106,15 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         batch, length, width = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
         q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        attended = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        dropout = self.dropout if self.training else 0.0
+        if document_ids is None:
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:  # a packed row: each document attends only to itself
+            attended = document_attention(q, k, v, document_ids, dropout)
         x = x + self.drop(self.proj(attended.transpose(1, 2).reshape(batch, length, width)))
         return x + self.drop(self.mlp(self.norm2(x)))
 
@@ -82,11 +133,18 @@ class CharGPT(nn.Module):
         nn.init.normal_(self.token.weight, std=0.02)
         nn.init.normal_(self.position.weight, std=0.02)
 
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(codes.shape[1], device=codes.device)
+    def forward(
+        self,
+        codes: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        positions = (
+            torch.arange(codes.shape[1], device=codes.device) if position_ids is None else position_ids
+        )
         x = self.token(codes) + self.position(positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, document_ids)
         return self.head(self.norm(x))
 
 
@@ -102,8 +160,12 @@ class CharLMTask:
         dropout: float = 0.0,
         lr: float = 3e-3,
         max_chars: int | None = None,
+        layout: str = "chunks",
     ) -> None:
+        if layout not in LAYOUTS:
+            raise TaskError(f"charlm: unknown layout {layout!r}; available: {', '.join(LAYOUTS)}")
         self.block, self.layers, self.heads, self.width = block, layers, heads, width
+        self.layout = layout
         self.dropout, self.lr = dropout, lr
         text = corpus()[:max_chars]
         self.alphabet = sorted(set(corpus()))
@@ -114,17 +176,31 @@ class CharLMTask:
     def model(self) -> nn.Module:
         return CharGPT(len(self.alphabet), self.block, self.layers, self.heads, self.width, self.dropout)
 
+    def _data(self, codes: torch.Tensor) -> Dataset:
+        if self.layout == "chunks":
+            return CharChunks(codes, self.block)
+        documents = paragraphs(codes, self.alphabet.index("\n"), self.block)
+        return Documents(documents, self.block if self.layout == "padded" else None)
+
     def train_data(self) -> Dataset:
-        return CharChunks(self.codes[: self.split_at], self.block)
+        return self._data(self.codes[: self.split_at])
 
     def val_data(self) -> Dataset:
-        return CharChunks(self.codes[self.split_at :], self.block)
+        return self._data(self.codes[self.split_at :])
 
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:
-        inputs, targets = batch
-        logits = model(inputs)
-        total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-        return LossSum(total, targets.numel())
+    def loss(
+        self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]
+    ) -> LossSum:
+        if isinstance(batch, dict):  # documents: padded, or packed rows (position_ids, document_ids)
+            inputs, targets = batch["input_ids"], batch["labels"]
+            logits = model(inputs, batch.get("position_ids"), batch.get("document_ids"))
+            count: torch.Tensor | int = (targets != IGNORE_INDEX).sum()
+        else:
+            inputs, targets = batch
+            logits = model(inputs)
+            count = targets.numel()
+        total = F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten(), reduction="sum")
+        return LossSum(total, count)
 
     def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.01)

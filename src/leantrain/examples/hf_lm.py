@@ -5,7 +5,9 @@ What a transformers user brings to leantrain, in one file: a ``GPT2LMHeadModel``
 learning the bytes of Python's help text (``pydoc_data.topics``, the ``charlm`` example's
 corpus); the data is a ``datasets.Dataset`` of dict rows in torch format, which leantrain's
 default collation stacks into a dict of tensors. The loss is token-level: a
-:class:`~leantrain.task.LossSum` of the cross-entropy over every predicted byte.
+:class:`~leantrain.task.LossSum` of the cross-entropy over every predicted byte. With
+``--pack-length``, a packed batch goes through ``transformers_inputs`` (position ids and a mask
+that keeps each document to itself), and the loss counts the labels that are not -100.
 
 Needs ``pip install 'leantrain[hf]'`` (transformers and datasets); without them, the task
 is a one-line error naming that extra.
@@ -22,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leantrain.data.document_attention import transformers_inputs
+from leantrain.data.packing import IGNORE_INDEX
 from leantrain.errors import TaskError
-from leantrain.examples.charlm import corpus
+from leantrain.examples.charlm import at_least_float32, corpus
 from leantrain.task import LossSum
 
 ARCHITECTURES = ("gpt2", "llama")
@@ -107,10 +111,15 @@ class HFCausalLMTask:
         return byte_rows(self.codes[self.split_at :], self.block)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
-        logits = model(input_ids=batch["input_ids"]).logits
         labels = batch["labels"]
-        total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-        return LossSum(total, labels.numel())
+        if "document_ids" in batch:  # packed rows
+            logits = model(**transformers_inputs(model, batch)).logits
+            count: torch.Tensor | int = (labels != IGNORE_INDEX).sum()
+        else:
+            logits = model(input_ids=batch["input_ids"]).logits
+            count = labels.numel()
+        total = F.cross_entropy(at_least_float32(logits.flatten(0, 1)), labels.flatten(), reduction="sum")
+        return LossSum(total, count)
 
     def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.01)
