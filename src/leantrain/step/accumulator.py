@@ -73,28 +73,40 @@ class TaskLoss:
 
     An error raised in either keeps its type and traceback and gets one note: the method, the
     optimizer step, the micro-batch and the batch's shapes. Only a failure formats anything; a
-    call that succeeds pays a counter. Every strategy calls the loss on the micro-batches in
+    call that succeeds pays a list append. Every strategy calls the loss on the micro-batches in
     order; a pipeline's last stage calls it once more on its first micro-batch when it starts
     (torch's shape inference), so calls are counted by batch: a call on the batch of the call
-    before is the same micro-batch. Ids suffice: the batch of the call before is still alive
-    when the next one is made.
+    before is the same micro-batch.
+
+    The step's micro-batches are kept by reference (no copy) until the next step starts, so
+    that a non-finite step can be replayed to find where the value came from
+    (``diagnose/nan_origin.py``): a step with accumulation holds its earlier micro-batches'
+    inputs until it ends.
     """
 
     def __init__(self, task: Any) -> None:
         self.loss = task.loss
         augment = getattr(task, "augment", None)
         self.augment = augment if callable(augment) else None
-        self.step = self.micro = self.count = 0
-        self.last_batch = 0  # the id of the batch of the call before
+        self.step = self.count = 0
+        self.batches: list[Any] = []  # this step's micro-batches so far, in order
 
     def start_step(self, step: int, count: int) -> None:
         """Before optimizer step ``step`` (1-based) of ``count`` micro-batches, and each retry of it."""
-        self.step, self.micro, self.count, self.last_batch = step, 0, count, 0
+        self.step, self.count, self.batches = step, count, []
+
+    @property
+    def micro(self) -> int:
+        """The current micro-batch, 1-based (0 before the step's first)."""
+        return len(self.batches)
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor | LossSum:
-        if id(batch) != self.last_batch:
-            self.micro += 1
-            self.last_batch = id(batch)
+        if not self.batches or batch is not self.batches[-1]:
+            self.batches.append(batch)
+        return self.loss_of(model, batch)
+
+    def loss_of(self, model: nn.Module, batch: Any) -> torch.Tensor | LossSum:
+        """The loss of ``batch`` (augmented first), not counted as a micro-batch of the step."""
         if self.augment is not None:
             try:
                 batch = self.augment(batch)
