@@ -27,6 +27,8 @@ from leantrain.units import format_bytes
 BOTTLENECK_SHARE = 0.3
 # Below this share of the step, data loading is not worth advice.
 DATA_ADVICE_SHARE = 0.1
+# Above this share of padding among the tokens computed, packing is advised (issue 39).
+PADDING_ADVICE_SHARE = 0.1
 # Memory this close to the budget is a limit.
 MEMORY_PRESSURE = 0.9
 # A micro-batch this many times smaller than what fits is worth raising.
@@ -60,6 +62,10 @@ class RunFacts:
     cache: str | None = None
     map_style: bool = True
     items_repeat: bool | None = None  # a second load of an item gives the same values
+    # Token data: the share of the positions computed that are padding (attention_mask 0, else label -100),
+    # from a sample of items; 0 when packed (--pack-length); None for other data. And the items' length.
+    padding_share: float | None = None
+    token_length: int | None = None
     micro_batch_halved: bool = False  # the run ran out of memory and shrank its micro-batch
     memory_budget: int | None = None  # bytes: the flag, or a CUDA device's memory
     fast_16bit_ratio: float | None = None  # peak 16-bit / fp32 matmul rate, where much faster
@@ -256,6 +262,25 @@ def cache_items(facts: RunFacts, m: Measurements) -> list[Advice]:
             f"leantrain cache {facts.task_flags} --out DIR, then fit --cache DIR "
             "(a preprocessing change needs a new cache)",
             f"up to {gain:.1f}x samples/s (the data wait removed)",
+            tier=2,
+            speedup=gain,
+        )
+    ]
+
+
+def pack_documents(facts: RunFacts, m: Measurements) -> list[Advice]:
+    share = facts.padding_share
+    if share is None or share <= PADDING_ADVICE_SHARE:
+        return []
+    gain = 1 / (1 - share)
+    return [
+        Advice(
+            "pack the token documents into rows instead of padding them",
+            f"{share:.0%} of the tokens computed are padding (items of {facts.token_length} tokens)",
+            f"return each document unpadded (a 1-D tensor, or a dict of input_ids) and add --pack-length "
+            f"{facts.token_length}: rows of that many tokens, no padding, each document attending only to "
+            "itself (docs/data.md, packing)",
+            f"up to {gain:.1f}x tokens/s (the padding's compute spent on real tokens)",
             tier=2,
             speedup=gain,
         )
@@ -541,6 +566,7 @@ RULES: tuple[Callable[[RunFacts, Measurements], list[Advice]], ...] = (
     strategy_caveat,
     micro_batch_far_below_fit,
     cache_items,
+    pack_documents,
     communication,
     fp32_on_fast_16bit,
     compile_the_model,

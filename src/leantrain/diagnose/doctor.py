@@ -24,6 +24,7 @@ from leantrain.cluster import detect
 from leantrain.config import TrainConfig
 from leantrain.data.cache import items_repeat
 from leantrain.data.hf import torch_rows
+from leantrain.data.packing import padding_share
 from leantrain.data.workers import auto_workers, available_cpus
 from leantrain.diagnose.advice import Advice, CompileTrial, Measurements, RunFacts, advise, verdict
 from leantrain.diagnose.flops import PeakFlops, at_least, compute_dtype, mfu, peak_flops
@@ -225,7 +226,7 @@ def _facts(task: Any, cfg: TrainConfig, result: FitResult, device: torch.device,
         if torch.cuda.get_device_capability(device) >= (8, 0):
             fp32 = peak_flops(device, torch.float32).flops_per_second
             fast_16bit = peak_flops(device, torch.bfloat16).flops_per_second / fp32
-    map_style, repeat = _data_facts(task)
+    map_style, repeat, padding, length = _data_facts(task, cfg)
     return RunFacts(
         device_type=device.type,
         strategy=result.strategy,
@@ -244,6 +245,8 @@ def _facts(task: Any, cfg: TrainConfig, result: FitResult, device: torch.device,
         cache=cfg.cache,
         map_style=map_style,
         items_repeat=repeat,
+        padding_share=padding,
+        token_length=length,
         micro_batch_halved=isinstance(cfg.micro_batch_size, int)
         and result.micro_batch_size < cfg.micro_batch_size,
         memory_budget=budget,
@@ -254,12 +257,23 @@ def _facts(task: Any, cfg: TrainConfig, result: FitResult, device: torch.device,
     )
 
 
-def _data_facts(task: Any) -> tuple[bool, bool | None]:
-    """Whether the training data is map-style, and whether its items load the same twice."""
+# Items whose padding the doctor counts: enough for a share, few enough to cost nothing.
+PADDING_SAMPLE = 64
+
+
+def _data_facts(task: Any, cfg: TrainConfig) -> tuple[bool, bool | None, float | None, int | None]:
+    """Whether the training data is map-style, whether its items load the same twice, and for token
+    data the share of padding among a sample of items (0 when packed) and the items' length."""
     dataset = torch_rows(task.train_data(), "train_data")  # as fit reads it
     if isinstance(dataset, IterableDataset):
-        return False, None
+        return False, None, None, None
     try:
-        return True, items_repeat(dataset)
+        repeat, first = items_repeat(dataset), dataset[0]
+        if cfg.pack_length is not None:
+            return True, repeat, 0.0, cfg.pack_length  # rows of exactly pack_length tokens: no padding
+        if not (isinstance(first, dict) and isinstance(first.get("input_ids"), torch.Tensor)):
+            return True, repeat, None, None  # not token data: nothing more to load
+        items = [dataset[i] for i in range(min(len(dataset), PADDING_SAMPLE))]
+        return True, repeat, padding_share(items), first["input_ids"].shape[-1]
     except Exception:  # the doctor only asks; the run itself already loaded this data
-        return True, None
+        return True, None, None, None

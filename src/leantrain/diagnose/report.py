@@ -51,7 +51,9 @@ def headline(d: Diagnosis) -> str:
         f"{d.verdict}: {d.phases['total'] * 1000:,.1f} ms per step, {d.samples_per_second:,.0f} samples/s, "
         f"MFU {percent(d.mfu)} (precision {f.precision}, micro-batch {f.micro_batch_size} x "
         f"{f.accumulation_steps} accumulation, {f.num_workers} loader worker(s), {f.world_size} "
-        f"process(es), {f.device_type})"
+        f"process(es), {f.device_type}"
+        + ("" if f.padding_share is None else f", {percent(f.padding_share)} of tokens padding")
+        + ")"
     )
 
 
