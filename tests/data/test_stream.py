@@ -9,7 +9,8 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 import leantrain as lt
 from leantrain.data.loader import build_loader
 from leantrain.data.sampler import GlobalBatchSampler
-from leantrain.data.stream import RankShard, StreamShard
+from leantrain.data.shard import GlobalBatchShard, StreamPlan
+from leantrain.data.stream import RankShard
 from leantrain.step.batching import BatchSplit
 from tests.conftest import RegressionTask, StreamedRegression
 
@@ -37,7 +38,9 @@ class Numbers(IterableDataset):
 
 
 def stream_batches(dataset, plan, steps, rank, workers, start_step=0):
-    shard = StreamShard(dataset, "train_data", plan, steps, rank, start_step)
+    shard = GlobalBatchShard(
+        StreamPlan(dataset, "train_data", plan.global_batch_size), "train_data", plan, steps, rank, start_step
+    )
     return list(DataLoader(shard, batch_size=None, num_workers=workers))
 
 

@@ -23,10 +23,12 @@ from leantrain.data.cache import MANIFEST, CacheError, prepare_cache, task_sourc
 from leantrain.data.hf import torch_rows
 from leantrain.data.limits import check_prefetch, item_bytes
 from leantrain.data.loader import build_loader, check_map_style, collate
+from leantrain.data.mixture import Mixture
 from leantrain.data.packing import PackedDocuments, PackedRowSampler
 from leantrain.data.remote_cache import cache_root, fetch_split, publish_split
 from leantrain.data.sampler import GlobalBatchSampler
-from leantrain.data.stream import RankShard, StreamShard, check_stream_steps, stream_length
+from leantrain.data.shard import DataPosition, GlobalBatchShard, MarkedLoader, StreamPlan
+from leantrain.data.stream import RankShard, StreamReader, check_stream_steps, stream_length
 from leantrain.data.workers import (
     auto_prefetch,
     auto_workers,
@@ -89,6 +91,10 @@ def load_train_data(task: Any, cfg: TrainConfig, env: ClusterEnv) -> TrainData:
     if cfg.cache is not None:
         dataset = _cached(dataset, task, "train", cfg, env, notes)
     dataset = _packed(dataset, cfg, "train_data", cfg.shuffle, notes)
+    if isinstance(dataset, Mixture) and cfg.max_steps is None:
+        raise TaskError(
+            "train_data is a Mixture: set max_steps (a mixture has no epochs; its sources have theirs)"
+        )
     if isinstance(dataset, IterableDataset):
         check_stream_steps(dataset, "train_data", cfg.max_steps)
         size = stream_length(dataset)
@@ -165,8 +171,14 @@ def build_train_loader(
     total_steps: int,
     start_step: int,
     pin_memory: bool,
+    saved: dict[str, Any] | None = None,
+    tokens: list[int] | None = None,
 ) -> tuple[DataLoader, int, int | None]:
-    """The training loader from ``start_step`` on; returns (loader, workers, prefetch factor)."""
+    """The training loader from ``start_step`` on; returns (loader, workers, prefetch factor).
+
+    For a stream or a mixture: ``saved`` is the data position a checkpoint holds (``DataPart``'s
+    ``checkpoint_state``), used where it is at ``start_step``; ``tokens``: the tokens this process
+    counts from (default: the saved ones on rank 0, which holds the run's total)."""
     sampler = None
     if not data.is_stream:
         assert data.size is not None
@@ -186,8 +198,47 @@ def build_train_loader(
     options = dict(num_workers=workers, pin_memory=pin_memory, prefetch_factor=prefetch, seed=cfg.seed)
     if sampler is not None:
         return build_loader(data.dataset, "train_data", batch_sampler=sampler, **options), workers, prefetch
-    stream = StreamShard(data.dataset, "train_data", batch_split, total_steps, env.rank, start_step)  # type: ignore[arg-type]
-    return DataLoader(stream, batch_size=None, **_stream_options(options)), workers, prefetch
+    plan = (
+        data.dataset.plan("train_data", batch_split.global_batch_size, cfg.seed, cfg.shuffle)
+        if isinstance(data.dataset, Mixture)
+        else StreamPlan(data.dataset, "train_data", batch_split.global_batch_size)  # type: ignore[arg-type]
+    )
+    positions = _saved_positions(saved, start_step, plan.names)
+    if tokens is None:
+        tokens = list(saved["tokens"]) if saved and env.is_main and positions else [0] * len(plan.names)
+    data.notes.extend(_resume_notes(plan, start_step, positions))
+    shard = GlobalBatchShard(plan, "train_data", batch_split, total_steps, env.rank, start_step, positions,
+                             cfg.seed, marks=True)  # fmt: skip
+    position = DataPosition(plan.names, start_step, positions or [None] * len(plan.names), tokens)
+    return MarkedLoader(shard, position, **_stream_options(options)), workers, prefetch
+
+
+def _saved_positions(saved: dict[str, Any] | None, step: int, names: list[str]) -> list[Any] | None:
+    """The sources' saved positions, when ``saved`` holds them at ``step`` for these sources."""
+    if not saved or saved.get("step") != step or saved.get("sources") != names:
+        return None
+    return saved["positions"]
+
+
+def _resume_notes(plan: Any, start_step: int, positions: list[Any] | None) -> list[str]:
+    """For a resumed run, one line per stream: restored from its state, or how much it re-reads."""
+    if not start_step:
+        return []
+    notes = []
+    saved = positions or [None] * len(plan.names)
+    for name, reader, draws, position in zip(
+        plan.names, plan.readers(), plan.draws_before(start_step), saved, strict=True
+    ):
+        if not isinstance(reader, StreamReader):
+            continue
+        again = reader.rereads(draws, position)
+        if position is not None and not again:
+            where = f"epoch {position['epoch']}, item {position['read']:,}"
+            notes.append(f"{name}: resumed from the stream's saved state at {where} (nothing re-read)")
+        else:
+            why = "no exact state_dict()" if position is not None else "no saved position for this step"
+            notes.append(f"{name}: re-reads {again:,} items to reach step {start_step} ({why})")
+    return notes
 
 
 def _first_item_bytes(dataset: Any) -> int:

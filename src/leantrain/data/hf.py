@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 from leantrain.errors import DataError, TaskError
@@ -87,29 +86,71 @@ def torch_rows(dataset: Any, name: str) -> Any:
     return dataset
 
 
-def stream_rows(dataset: Any, name: str, epoch: int) -> Iterator[Any]:
+def stream_rows(dataset: Any, name: str, epoch: int, state: dict[str, Any] | None = None) -> StreamRows:
     """Every row of epoch ``epoch`` of a ``datasets.IterableDataset``, in order, in torch format,
-    whichever process reads it (a DataLoader worker included)."""
-    view = dataset.with_format("torch")  # a new dataset: its epoch is this process's alone
-    view.set_epoch(epoch)
-    blocks = view.iter(batch_size=ROWS_PER_READ)
-    first = 0
-    while True:
+    whichever process reads it (a DataLoader worker included); from ``state`` (a ``snapshot()``'s)
+    when given."""
+    return StreamRows(dataset, name, epoch, state)
+
+
+def resumes_exactly(dataset: Any) -> bool:
+    """Whether a ``datasets`` stream's ``state_dict()`` restores its order exactly: not after
+    ``shuffle(buffer_size=...)``, whose buffer the state leaves out (datasets refills it on load).
+    ``_shuffling`` is private, read only here."""
+    return getattr(dataset, "_shuffling", None) is None
+
+
+class StreamRows:
+    """The rows of one epoch, read a block at a time; ``snapshot()`` is where the next row is: the
+    stream's ``state_dict()`` at the start of its block, and the rows of the block already given."""
+
+    def __init__(self, dataset: Any, name: str, epoch: int, state: dict[str, Any] | None = None) -> None:
+        self.name, self.epoch = name, epoch
+        self._view = dataset.with_format("torch")  # a new dataset: its epoch is this process's alone
+        self._view.set_epoch(epoch)
+        if state is not None:
+            self._view.load_state_dict(state)
+        self._blocks = self._view.iter(batch_size=ROWS_PER_READ)
+        # The view's state_dict() is its own again only once reading began: until then, the loaded one.
+        self._block_state = state if state is not None else self._view.state_dict()
+        self._started = False
+        self._rows: list[dict[str, Any]] = []
+        self._given = 0  # of the block's rows
+        self._first = 0  # the block's first row in the epoch
+
+    def __iter__(self) -> StreamRows:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._given == len(self._rows):
+            self._read_block()
+        self._given += 1
+        return self._rows[self._given - 1]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"state": self._block_state, "skip": self._given}
+
+    def _read_block(self) -> None:
+        self._first += len(self._rows)
+        if self._started:
+            self._block_state = self._view.state_dict()
+        self._started = True
         try:
             with warnings.catch_warnings():
                 # Rows made by a Python .map() are tensorized twice by this reader: harmless, but
                 # torch warns about it (a datasets quirk, not the user's code).
                 warnings.filterwarnings("ignore", "To copy construct from a tensor", UserWarning)
-                block = next(blocks)
+                block = next(self._blocks)  # StopIteration ends the epoch
         except StopIteration:
-            return
+            raise
         except Exception as error:  # datasets formats (and runs .map on) a block at a time: name it
             raise DataError(
-                f"{name} items {first}-{first + ROWS_PER_READ - 1} of epoch {epoch}: reading them failed: "
-                f"{type(error).__name__}: {error}"
+                f"{self.name} items {self._first}-{self._first + ROWS_PER_READ - 1} of epoch {self.epoch}: "
+                f"reading them failed: {type(error).__name__}: {error}"
             ) from error
         columns = list(block.items())
         count = len(columns[0][1]) if columns else 0
-        for row in range(count):
-            yield {key: values[row] for key, values in columns}
-        first += count
+        self._rows = [{key: values[row] for key, values in columns} for row in range(count)]
+        self._given = 0
+        if not self._rows:
+            raise StopIteration

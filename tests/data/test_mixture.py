@@ -1,0 +1,165 @@
+"""Mixtures: ratios kept per global batch, the same order whatever the split, exact resume, errors."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+import leantrain as lt
+from leantrain.data.shard import GlobalBatchShard
+from leantrain.step.batching import BatchSplit
+from tests.conftest import RegressionTask, quiet_config
+from tests.test_resume import StopAt
+
+
+class Tagged(IterableDataset):
+    """A stream of (source id, item number); ``set_epoch`` recorded in the item."""
+
+    def __init__(self, source: int, count: int) -> None:
+        self.source, self.count, self.epoch = source, count, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        for i in range(self.count):
+            yield (torch.tensor([self.source, i, self.epoch]),)
+
+
+def tagged_map(source: int, count: int) -> TensorDataset:
+    return TensorDataset(torch.stack([torch.tensor([source, i, 0]) for i in range(count)]))
+
+
+WEIGHTS = {"web": 0.7, "code": 0.2, "math": 0.1}
+
+
+def mixture() -> lt.Mixture:
+    sources = {"web": tagged_map(0, 50), "code": Tagged(1, 13), "math": tagged_map(2, 7)}
+    return lt.Mixture(sources, weights=WEIGHTS)
+
+
+def global_batches(mix, split, steps, workers=0, start=0):
+    """Every rank's micro-batches, joined into global batches of rows (source, item, epoch)."""
+    plan = mix.plan("train_data", split.global_batch_size, seed=3, shuffle=True)
+    per_rank = []
+    for rank in range(split.world_size):
+        shard = GlobalBatchShard(plan, "train_data", split, steps, rank, start, seed=3)
+        per_rank.append(
+            [b[0] if isinstance(b, list) else b for b in DataLoader(shard, None, num_workers=workers)]
+        )
+    micro = split.accumulation_steps
+    return [
+        torch.cat([batch for rank in per_rank for batch in rank[step * micro : (step + 1) * micro]]).tolist()
+        for step in range(steps - start)
+    ]
+
+
+def test_the_ratios_over_1000_steps_are_within_one_percent_of_the_weights():
+    rows = [row for batch in global_batches(mixture(), BatchSplit(8, 8), 1000) for row in batch]
+    seen = Counter(row[0] for row in rows)
+    for source, weight in enumerate(WEIGHTS.values()):
+        assert abs(seen[source] / len(rows) - weight) <= 0.01 * weight
+
+
+def test_each_global_batch_keeps_the_ratios_within_one_sample():
+    for batch in global_batches(mixture(), BatchSplit(16, 4), 50):
+        seen = Counter(row[0] for row in batch)
+        for source, weight in enumerate(WEIGHTS.values()):
+            assert abs(seen[source] - 16 * weight) < 1
+
+
+def test_a_source_that_runs_out_starts_its_next_epoch_in_its_own_order():
+    batches = global_batches(mixture(), BatchSplit(16, 16), 40)
+    rows = [row for batch in batches for row in batch]
+    # in its order; within a global batch, the sources' samples are shuffled together
+    streamed = [(i, e) for b in batches for e, i in sorted((e, i) for s, i, e in b if s == 1)]
+    epochs = len(streamed) // 13
+    assert epochs >= 3 and streamed[: 13 * epochs] == [(i, e) for e in range(epochs) for i in range(13)]
+    mapped = Counter(item for source, item, _ in rows if source == 2)  # each epoch: every item once
+    epochs = sum(mapped.values()) // 7
+    assert epochs >= 3 and set(mapped) == set(range(7)) and set(mapped.values()) <= {epochs, epochs + 1}
+
+
+@pytest.mark.parametrize(("world", "micro", "workers"), [(2, 4, 0), (1, 2, 2), (2, 2, 2)])
+def test_the_global_batches_do_not_depend_on_the_split(world, micro, workers):
+    reference = global_batches(mixture(), BatchSplit(16, 16), 12)
+    assert global_batches(mixture(), BatchSplit(16, micro, world_size=world), 12, workers) == reference
+    assert (
+        global_batches(mixture(), BatchSplit(16, micro, world_size=world), 12, workers, start=7)
+        == reference[7:]
+    )
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, task, rows):
+        self.task, self.rows = task, rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        row = self.rows[i]
+        x, y, mask = self.task.x[row], self.task.y[row], self.task.mask[row]
+        return {"x": x, "y": y, "mask": mask, "input_ids": torch.arange(row % 3 + 2)[:2]}  # 2 tokens
+
+
+class MixedRegression(RegressionTask):
+    """RegressionTask's samples as token items, from a map-style source and a stream source."""
+
+    def train_data(self):
+        table, rest = Rows(self, range(100)), Rows(self, range(100, 160))
+
+        class Stream(IterableDataset):
+            def __iter__(inner):
+                return (rest[i] for i in range(len(rest)))
+
+        return lt.Mixture({"table": table, "stream": Stream()}, weights={"table": 3, "stream": 1})
+
+    def loss(self, model, batch):
+        return super().loss(model, (batch["x"], batch["y"], batch["mask"]))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_killed_mixture_run_resumes_bit_identical(tmp_path, workers):
+    settings = dict(
+        global_batch_size=16, micro_batch_size=8, max_steps=14, checkpoint_every=3, num_workers=workers
+    )
+    reference = lt.Trainer(quiet_config(tmp_path / "whole", **settings)).fit(MixedRegression())
+    with pytest.raises(KeyboardInterrupt):
+        lt.Trainer(quiet_config(tmp_path / "run", **settings), [StopAt(8)]).fit(MixedRegression())
+    resumed = lt.Trainer(quiet_config(tmp_path / "run", resume="auto", **settings)).fit(MixedRegression())
+    for name, value in reference.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], value), name
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["mixture"] == json.loads((tmp_path / "whole" / "summary.json").read_text())["mixture"]
+    counts = summary["mixture"]
+    assert counts["table"]["samples"] + counts["stream"]["samples"] == 14 * 16
+    assert [counts[n]["tokens"] for n in counts] == [2 * counts[n]["samples"] for n in counts]
+
+
+@pytest.mark.parametrize(
+    ("sources", "weights", "message"),
+    [
+        ({}, {}, "Mixture needs at least one source"),
+        ({"a": tagged_map(0, 3)}, {"a": 1, "b": 1}, "Mixture weight 'b' names no source"),
+        ({"a": tagged_map(0, 3), "b": tagged_map(1, 3)}, {"a": 1}, "Mixture source 'b' has no weight"),
+        ({"a": tagged_map(0, 3)}, {"a": 0}, "Mixture source 'a' has weight 0: a weight must be a positive"),
+        ({"a": tagged_map(0, 3)}, {"a": -1.0}, "Mixture source 'a' has weight -1.0"),
+        ({"a": tagged_map(0, 3)}, {"a": float("nan")}, "Mixture source 'a' has weight nan"),
+        ({"a": [1, 2, 3], "b": 5}, {"a": 1, "b": 1}, "Mixture source 'b' is a int, not a Dataset"),
+        ({"a": TensorDataset(torch.zeros(0))}, {"a": 1}, "Mixture source 'a' is empty"),
+    ],
+)
+def test_bad_input_is_a_one_line_error_naming_the_source(sources, weights, message):
+    with pytest.raises(lt.TaskError, match=message):
+        lt.Mixture(sources, weights=weights)
+
+
+def test_a_mixture_needs_max_steps(fit):
+    task = MixedRegression()
+    with pytest.raises(lt.TaskError, match="train_data is a Mixture: set max_steps"):
+        fit(task, global_batch_size=16, max_epochs=1)
