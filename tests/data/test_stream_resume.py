@@ -1,0 +1,108 @@
+"""Streams resume where they stopped: from their saved state, not by re-reading what was trained on."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset
+
+import leantrain as lt
+from leantrain.data.shard import DataPosition, GlobalBatchShard, MarkedLoader, StreamPlan
+from leantrain.step.batching import BatchSplit
+from tests.conftest import RegressionTask, quiet_config
+from tests.test_resume import StopAt
+
+SIZE = 1_000_000
+
+
+class Counted(IterableDataset):
+    """Items 0..count-1, counting the items it produces; ``state_dict`` (Stateful) unless ``stateless``."""
+
+    def __init__(self, count: int, stateless: bool = False) -> None:
+        self.count, self.start, self.next, self.produced = count, 0, 0, 0
+        if stateless:
+            self.state_dict = None  # not callable: no fast resume
+
+    def __iter__(self):
+        self.next, self.start = self.start, 0
+        while self.next < self.count:
+            self.produced += 1
+            self.next += 1
+            yield (torch.tensor(self.next - 1),)
+
+    def state_dict(self):
+        return {"next": self.next}
+
+    def load_state_dict(self, state):
+        self.start = state["next"]
+
+
+def shard_batches(stream, split, total, start=0, saved=None, rank=0):
+    """This rank's micro-batches of steps start..total-1, and the loader's DataPosition."""
+    plan = StreamPlan(stream, "train_data", split.global_batch_size)
+    shard = GlobalBatchShard(plan, "train_data", split, total, rank, start, saved, marks=True)
+    loader = MarkedLoader(shard, DataPosition(plan.names, start, saved or [None], [0]))
+    return [batch[0].tolist() for batch in loader], loader.position
+
+
+@pytest.mark.parametrize(("stateless", "size"), [(False, SIZE), (True, 1_000)])
+def test_a_stream_of_a_million_items_killed_at_step_900_resumes_without_rereading(stateless, size):
+    """The fallback (a stream without state) on a small stream: it re-reads what the other skips."""
+    split = BatchSplit(
+        global_batch_size=1024 if size == SIZE else 1, micro_batch_size=512 if size == SIZE else 1
+    )
+    first = Counted(size, stateless)
+    _, position = shard_batches(first, split, 900)
+    saved = position.after(900)
+    again = Counted(size, stateless)
+    started = time.perf_counter()
+    resumed, _ = shard_batches(again, split, 901, start=900, saved=saved)
+    print(f"resume at step 900: {time.perf_counter() - started:.3f} s, {again.produced:,} items read")
+    batch, micro = split.global_batch_size, split.micro_batch_size
+    assert resumed == [
+        list(range(900 * batch + i * micro, 900 * batch + (i + 1) * micro)) for i in range(batch // micro)
+    ]
+    # the fallback re-reads the epoch up to the position; a Stateful stream reads the step's own items
+    assert again.produced == (901 * batch if stateless else batch)
+
+
+def test_the_saved_position_resumes_on_another_world_size():
+    stream = Counted(200)
+    _, position = shard_batches(stream, BatchSplit(16, 8), 5)
+    whole = [shard_batches(Counted(200), BatchSplit(16, 4, world_size=2), 9, rank=r)[0] for r in range(2)]
+    for rank in range(2):
+        resumed, _ = shard_batches(
+            Counted(200), BatchSplit(16, 4, world_size=2), 9, 5, position.after(5), rank
+        )
+        assert resumed == whole[rank][5 * 2 :]
+
+
+class StreamTask(RegressionTask):
+    def __init__(self, stateless: bool = False) -> None:
+        super().__init__()
+        self.stateless = stateless
+
+    def train_data(self):
+        task = self
+
+        class Stream(Counted):
+            def __iter__(inner):
+                for (index,) in super().__iter__():
+                    yield task.x[index], task.y[index], task.mask[index]
+
+        return Stream(len(self.x), self.stateless)
+
+
+@pytest.mark.parametrize(("workers", "stateless"), [(0, False), (2, False), (2, True)])
+def test_a_killed_run_on_a_stream_resumes_bit_identical(tmp_path, workers, stateless):
+    settings = dict(
+        global_batch_size=16, micro_batch_size=8, max_steps=14, checkpoint_every=3, num_workers=workers
+    )
+    reference = lt.Trainer(quiet_config(tmp_path / "whole", **settings)).fit(StreamTask(stateless))
+    with pytest.raises(KeyboardInterrupt):
+        lt.Trainer(quiet_config(tmp_path / "run", **settings), [StopAt(8)]).fit(StreamTask(stateless))
+    resumed = lt.Trainer(quiet_config(tmp_path / "run", resume="auto", **settings)).fit(StreamTask(stateless))
+    for name, value in reference.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], value), name
