@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.utils import counters
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from leantrain.diagnose.nan_origin import find_nan_origin, origin_line, short_float
@@ -166,13 +167,23 @@ def test_a_planted_non_finite_gradient_is_named_at_its_layer(layer):
     assert origin.describe().startswith(f"non-finite gradient in {layer} at step 9 (output gradient max ")
 
 
-@pytest.mark.parametrize("layer", ["transformer.h.1.mlp.c_fc", "transformer.wpe"])
-def test_a_non_finite_parameter_gradient_is_named_at_its_layer(layer):
+@pytest.mark.parametrize(
+    ("layer", "later"),
+    [
+        ("transformer.h.1.mlp.c_fc", None),
+        ("transformer.wpe", None),
+        ("transformer.h.1.mlp.c_fc", "transformer.h.0.mlp.c_fc"),
+    ],
+)
+def test_a_non_finite_parameter_gradient_is_named_at_its_layer(layer, later):
     """A weight's own gradient (the gradient of the inputs stays finite); an embedding's hook runs
-    before its weight's gradient exists."""
+    before its weight's gradient exists. ``later``: a module further down the backward whose input
+    gradient is non-finite too is not the first."""
     model = gpt2()
     ids = torch.randint(0, 64, (2, 16))
     model.get_submodule(layer).weight.register_hook(lambda grad: grad * float("inf"))
+    if later is not None:
+        infinite_gradient_below(model.get_submodule(later))
     origin = find_nan_origin(model, gpt2_forward("32", ids), gradients=True)
     assert (origin.kind, origin.module) == ("gradient", layer)
 
@@ -316,17 +327,20 @@ def test_the_task_loss_keeps_the_steps_micro_batches_by_reference_until_the_next
     assert task_loss.batches == []
 
 
-def test_compiled_blocks_are_replayed_eagerly_so_their_hooks_run():
-    """leantrain compiles a module's forward in place (``compile_forward``): hooks added later
-    would not run inside the compiled code."""
+def test_compiled_blocks_are_replayed_eagerly_and_compile_nothing():
+    """leantrain compiles a module's forward in place (``compile_forward``): the replay's hooks
+    would recompile it (graph breaks at each host read), twice."""
     model = gpt2()
     ids = torch.randint(0, 64, (2, 16))
     forward = gpt2_forward("32", ids)
     for block in model.transformer.h:
         block.forward = torch.compile(block.forward, backend="eager")
     forward(model)  # compiled now
+    graphs = counters["stats"]["unique_graphs"]
     plant(model.transformer.h[1].mlp.c_proj, OVERFLOWS["32"])
     assert find_nan_origin(model, forward).module == "transformer.h.1.mlp.c_proj"
+    forward(model)
+    assert counters["stats"]["unique_graphs"] == graphs
     wrapped = torch.compile(model, backend="eager")
     assert find_nan_origin(wrapped, forward).module == "transformer.h.1.mlp.c_proj"  # not _orig_mod.
 

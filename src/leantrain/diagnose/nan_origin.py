@@ -116,7 +116,6 @@ def find_nan_origin(
     with _state_kept(inner), _hooks(inner, watch, gradients), torch.compiler.set_stance("force_eager"):
         with contextlib.nullcontext() if gradients else torch.no_grad():
             loss = differentiable_loss(forward(inner)) if gradients else _scalar(forward(inner))
-        watch.forward_done = True
         if watch.found is None and not _finite(loss):
             watch.found = NanOrigin("loss", None, watch.model_output)
         if gradients:
@@ -171,13 +170,10 @@ class _Watch:
         self.names = {module: name for name, module in model.named_modules()}
         self.names[model] = type(model).__name__  # named_modules calls it ""
         self.found: NanOrigin | None = None
-        self.forward_done = False
         self.model_output = Stats(None, None, True)
         self.backward_order: list[nn.Module] = []  # modules as their backward hooks ran
 
     def after_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self.forward_done:  # recomputed during backward (activation checkpointing)
-            return
         if module is self.model:
             self.model_output = _stats(output)
         if self.found is None and not _finite(output):
