@@ -120,7 +120,8 @@ def test_a_planted_overflow_in_the_charlm_example_is_named_through_the_run_seam(
     assert line.endswith(f" in {dtype})")
 
 
-def test_a_non_finite_batch_names_the_micro_batch_and_says_the_input_was_already_non_finite():
+def digits_step_with_a_nan_in(micro: int) -> tuple[nn.Module, TaskLoss]:
+    """The digits example's model, after a step of 3 micro-batches, one with a NaN pixel."""
     torch.manual_seed(0)
     model = DigitsCNN(width=4)
 
@@ -131,13 +132,29 @@ def test_a_non_finite_batch_names_the_micro_batch_and_says_the_input_was_already
     task_loss = TaskLoss(Task())
     task_loss.start_step(3, 3)
     batches = [(torch.randn(2, 1, 8, 8), torch.tensor([1, 2])) for _ in range(3)]
-    batches[1][0][0, 0, 2, 2] = float("nan")
+    batches[micro - 1][0][0, 0, 2, 2] = float("nan")
     for batch in batches:
         task_loss(model, batch)
+    return model, task_loss
+
+
+def test_a_non_finite_batch_names_the_micro_batch_and_says_the_input_was_already_non_finite():
+    model, task_loss = digits_step_with_a_nan_in(micro=2)
     line = origin_line(model, task_loss, make_precision("32", CPU), 3, gradients=False)
     assert line == (
         "non-finite output in features.0 at step 3, micro-batch 2 of 3 "
         "(its input was already non-finite, in float32: made before it)"
+    )
+
+
+def test_every_rank_gets_the_line_of_the_first_rank_that_found_an_origin():
+    model, task_loss = digits_step_with_a_nan_in(micro=3)
+    precision = make_precision("32", CPU)
+    line = origin_line(
+        model, task_loss, precision, 3, gradients=False, gather=lambda mine: [None, mine, mine]
+    )
+    assert line.startswith(
+        "non-finite output in features.0 at step 3, micro-batch 3 of 3 on rank 1 (its input"
     )
 
 
@@ -310,7 +327,7 @@ def test_a_replay_that_finds_everything_finite_says_so_and_no_batch_is_no_line()
     assert origin_line(model, task_loss, make_precision("32", CPU), 2, gradients=True) is None
     task_loss(model, torch.ones(1, 2))
     line = origin_line(model, task_loss, make_precision("32", CPU), 2, gradients=True)
-    assert line.startswith("replaying step 2's 1 micro-batch(es) on this process made only finite values")
+    assert line.startswith("replaying step 2's 1 micro-batch(es) made only finite values")
 
 
 def test_the_task_loss_keeps_the_steps_micro_batches_by_reference_until_the_next_step():

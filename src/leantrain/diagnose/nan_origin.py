@@ -18,10 +18,10 @@ the random streams are where the step left them, not where it began.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -37,7 +37,7 @@ from leantrain.task import LossSum
 Forward = Callable[[nn.Module], Any]  # one micro-batch's forward and loss on the given model
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Stats:
     """The largest magnitude among a module's floating-point (or index) inputs, and its dtype."""
 
@@ -46,7 +46,7 @@ class Stats:
     finite: bool
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class NanOrigin:
     """The first place a replayed micro-batch made a non-finite value.
 
@@ -61,11 +61,14 @@ class NanOrigin:
     given: Stats
     step: int | None = None
     micro: tuple[int, int] | None = None  # (micro-batch, of how many)
+    rank: int | None = None  # the process whose micro-batch it was, in a multi-process run
 
     def describe(self) -> str:
         where = "" if self.step is None else f" at step {self.step}"
         if self.micro is not None and self.micro[1] > 1:
             where += f", micro-batch {self.micro[0]} of {self.micro[1]}"
+        if self.rank is not None:
+            where += f" on rank {self.rank}"
         given = {"output": "input", "gradient": "output gradient", "loss": "model output"}[self.kind]
         if self.given.max is None:
             stats = f"no tensor {given}"
@@ -121,40 +124,48 @@ def find_nan_origin(
         if gradients:
             (backward or torch.Tensor.backward)(loss)
             watch.check_parameters()
-    found = watch.found
-    return None if found is None else NanOrigin(found.kind, found.module, found.given, step)
+    return None if watch.found is None else dataclasses.replace(watch.found, step=step)
 
 
 def origin_line(
-    model: nn.Module, task_loss: TaskLoss, precision: Precision, step: int, gradients: bool
+    model: nn.Module,
+    task_loss: TaskLoss,
+    precision: Precision,
+    step: int,
+    gradients: bool,
+    gather: Callable[[Any], list[Any]] | None = None,
 ) -> str | None:
     """The line to add to a non-finite step's warning or error: where the value came from.
 
     ``task_loss`` holds the step's micro-batches; each is replayed (all of them, on every
-    process: a sharded model's collectives stay matched) and the first origin is named. None:
-    the step kept no micro-batch (a pipeline stage replays nothing). A replay that fails says so
-    in the line instead of raising: the non-finite step's own message comes first.
+    process: a sharded model's collectives stay matched) and the first origin is named.
+    ``gather(value) -> every rank's value`` (the strategy's): every process returns the same
+    line, naming the first rank that found an origin. None: the step kept no micro-batch. A
+    replay that fails says so in the line instead of raising: the step's own message comes first.
     """
     batches = list(task_loss.batches)
     if not batches:
         return None
-    first = None
+    local: NanOrigin | str | None = None
     try:
         for index, batch in enumerate(batches, start=1):
-            origin = find_nan_origin(
-                model, partial(_loss_of, task_loss, precision, batch), gradients, precision.backward, step
-            )
-            if first is None and origin is not None:
-                first = NanOrigin(origin.kind, origin.module, origin.given, step, (index, len(batches)))
+            forward = partial(_loss_of, task_loss, precision, batch)
+            origin = find_nan_origin(model, forward, gradients, precision.backward, step)
+            if local is None and origin is not None:
+                local = dataclasses.replace(origin, micro=(index, len(batches)))
     except Exception as error:  # the diagnosis must not hide the error it diagnoses
-        return f"replaying step {step} to find where the non-finite value came from failed: {error!r}"
-    if first is None:
-        return (
-            f"replaying step {step}'s {len(batches)} micro-batch(es) on this process made only finite "
-            "values (the value came from another process's data, or from a difference between the "
-            "replay and the step: dropout draws, compiled kernels)"
-        )
-    return first.describe()
+        local = f"replaying step {step} to find where the non-finite value came from failed: {error!r}"
+    found = [local] if gather is None else gather(local)
+    for rank, origin in enumerate(found):
+        if isinstance(origin, NanOrigin):
+            return dataclasses.replace(origin, rank=None if len(found) == 1 else rank).describe()
+    failures = [line for line in found if isinstance(line, str)]
+    if failures:
+        return failures[0]
+    return (
+        f"replaying step {step}'s {len(batches)} micro-batch(es) made only finite values (the replay "
+        "differs from the step: dropout draws, compiled kernels)"
+    )
 
 
 def _loss_of(task_loss: TaskLoss, precision: Precision, batch: Any, model: nn.Module) -> Any:
