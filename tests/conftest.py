@@ -82,6 +82,54 @@ class PoisonedSteps(RegressionTask):
         return loss * self.factor if self.calls in self.poisoned else loss
 
 
+class PlantedSpikes:
+    """A float64 regression onto a teacher network, with planted bad samples: the targets of the items
+    in ``bad`` are scaled by ``factor`` (a step that meets one explodes), or with ``drop_bad`` the data
+    has none of them (the run the healed one is compared with). A clean validation set."""
+
+    def __init__(
+        self, bad: Iterable[int] = (), factor: float = 1e3, samples: int = 4000, drop_bad: bool = False
+    ) -> None:
+        gen = torch.Generator().manual_seed(7)
+        x = torch.randn(samples, 6, generator=gen, dtype=torch.float64)
+        teacher = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+        y = x @ teacher + 0.1 * torch.randn(samples, 4, generator=gen, dtype=torch.float64)
+        self.val_x = torch.randn(256, 6, generator=gen, dtype=torch.float64)
+        self.val_y = self.val_x @ teacher
+        self.bad = list(bad)
+        keep = torch.ones(samples, dtype=torch.bool)
+        if drop_bad:
+            keep[list(bad)] = False
+        else:
+            y[list(bad)] *= factor
+        self.x, self.y = x[keep], y[keep]
+
+    @classmethod
+    def at_steps(cls, steps: Iterable[int], **kwargs: Any) -> PlantedSpikes:
+        """One bad sample in each of these steps' global batches (1-based; seed 0, batch 16, 4000 samples)."""
+        from leantrain.data.sampler import GlobalBatchSampler
+        from leantrain.step.batching import BatchSplit
+
+        order = GlobalBatchSampler(4000, BatchSplit(16, 16), 1000)
+        return cls([order.global_batch(step - 1)[3] for step in steps], **kwargs)
+
+    def model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 4)).double()
+
+    def train_data(self) -> Dataset:
+        return TensorDataset(self.x, self.y)
+
+    def val_data(self) -> Dataset:
+        return TensorDataset(self.val_x, self.val_y)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return ((model(x) - y) ** 2).mean()
+
+    def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.02, momentum=0.9)
+
+
 class StreamedRegression(RegressionTask):
     """RegressionTask's data as a stream (in index order), sized or not."""
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -10,7 +12,9 @@ from safetensors.torch import load_file
 
 import leantrain as lt
 from leantrain.checkpoint import load_checkpoint
+from leantrain.data.sampler import GlobalBatchSampler
 from leantrain.step.accumulator import StepStatus
+from leantrain.step.batching import BatchSplit
 from tests.conftest import PoisonedSteps, RegressionTask, quiet_config
 
 
@@ -37,7 +41,7 @@ STEPS = dict(global_batch_size=16, max_steps=6, log_every_n_steps=2)
 def test_stop_names_the_step_and_saves_the_state_before_it(fit, tmp_path):
     clean = fit(RegressionTask(), **{**STEPS, "max_steps": 2})
     with pytest.raises(
-        lt.NonFiniteLossError, match=r"loss is not finite at step 3; the last good state"
+        lt.NonFiniteLossError, match=r"loss is not finite at step 3; replaying .*; the last good state"
     ) as error:
         fit(PoisonedSteps({3}), **STEPS)
     assert error.value.step == 3
@@ -61,7 +65,7 @@ def test_a_run_stopped_by_nan_continues_from_the_last_good_state(fit, tmp_path):
 
 def test_stop_without_checkpoints_says_nothing_was_saved(tmp_path):
     config = quiet_config(tmp_path / "run", checkpoint_every="never", **STEPS)
-    with pytest.raises(lt.NonFiniteLossError, match=r"step 3; nothing was saved") as error:
+    with pytest.raises(lt.NonFiniteLossError, match=r"step 3; replaying .*; nothing was saved") as error:
         lt.Trainer(config).fit(PoisonedSteps({3}))
     assert error.value.checkpoint is None
     assert not any((tmp_path / "run" / "checkpoints").glob("*"))
@@ -125,7 +129,8 @@ def test_a_nan_gradient_under_clipping_is_caught_too(fit):
 
 
 def test_skipped_steps_reach_the_summary(fit):
-    result = fit(PoisonedSteps({2, 3}), on_nan="skip", **STEPS)
+    # Loss calls 2 and 4: steps 2 and 3, as the replay of step 2 (where its NaN came from) is call 3.
+    result = fit(PoisonedSteps({2, 4}), on_nan="skip", **STEPS)
     summary = result.summary()
     assert summary["skipped_steps"] == 2 and summary["nonfinite_steps"] == 2
 
@@ -134,3 +139,31 @@ def test_model_weights_stay_finite_with_skip(fit):
     result = fit(PoisonedSteps({1, 2, 5}), on_nan="skip", **STEPS)
     weights = load_file(result.out_dir / "model.safetensors")
     assert all(bool(torch.isfinite(t).all()) for t in weights.values())
+
+
+class HugeTarget(RegressionTask):
+    """One sample of step 3's global batch has a target of 1e200: its squared error overflows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.y[GlobalBatchSampler(160, BatchSplit(16, 16), 100).global_batch(2)[0]] = 1e200
+
+
+def test_each_nan_policy_says_where_the_value_came_from(tmp_path):
+    """The step's micro-batch replayed with hooks: here the model's outputs are finite, the loss is not."""
+    origin = (
+        r"non-finite loss at step 3, from finite model outputs \(model output max \S+ in float64\): "
+        r"the task's loss made it"
+    )
+    with pytest.raises(
+        lt.NonFiniteLossError, match=rf"^the training loss is not finite at step 3; {origin}; the last"
+    ):
+        lt.Trainer(quiet_config(tmp_path / "stop", **STEPS)).fit(HugeTarget())
+    with pytest.warns(
+        lt.LeantrainWarning, match=rf"^step 3 skipped: the training loss is not finite; {origin}$"
+    ):
+        skipped = lt.Trainer(quiet_config(tmp_path / "skip", on_nan="skip", **STEPS)).fit(HugeTarget())
+    assert re.fullmatch(origin, skipped.nan_origin)
+    assert json.loads((tmp_path / "skip" / "summary.json").read_text())["nan_origin"] == skipped.nan_origin
+    rolled = lt.Trainer(quiet_config(tmp_path / "rollback", on_spike="rollback", **STEPS)).fit(HugeTarget())
+    assert re.fullmatch(origin, rolled.rollbacks[0]["nan_origin"]) and rolled.nan_origin is not None

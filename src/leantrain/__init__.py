@@ -12,6 +12,7 @@ from leantrain.errors import (
     LeantrainWarning,
     NonFiniteLossError,
     RunInterrupted,
+    SpikeError,
     StorageError,
     TaskError,
 )
@@ -20,6 +21,7 @@ from leantrain.task import LossSum, Task, load_task
 if TYPE_CHECKING:
     from leantrain import diagnose
     from leantrain.checkpoint import load_weights
+    from leantrain.data.mixture import Mixture
     from leantrain.trainer import Callback, FitResult, StepStats, Trainer
 
 __all__ = [
@@ -31,8 +33,10 @@ __all__ = [
     "LeantrainError",
     "LeantrainWarning",
     "LossSum",
+    "Mixture",
     "NonFiniteLossError",
     "RunInterrupted",
+    "SpikeError",
     "StepStats",
     "StorageError",
     "Task",
@@ -57,6 +61,10 @@ def __getattr__(name: str) -> Any:
         import leantrain.diagnose as diagnose
 
         return diagnose
+    if name == "Mixture":
+        from leantrain.data.mixture import Mixture
+
+        return Mixture
     if name == "load_weights":
         from leantrain.checkpoint import load_weights
 

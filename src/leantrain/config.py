@@ -26,6 +26,7 @@ from leantrain.units import parse_bytes
 
 Precision = Literal["32", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 NanPolicy = Literal["stop", "skip"]
+SpikePolicy = Literal["off", "warn", "rollback"]
 WorkerChoice = Literal["auto", "tune"]
 Auto = Literal["auto"]
 Never = Literal["never"]
@@ -52,6 +53,7 @@ GROUPS = {
     "early stopping": "Early stopping",
     "averaging": "Weight averaging",
     "adapters": "Adapters (LoRA through peft)",
+    "spikes": "Loss spikes and rollback",
 }
 
 # Epochs trained when neither max_steps nor max_epochs is given.
@@ -79,6 +81,13 @@ class TrainConfig:
         None, "batch", f"passes over the training data; null: {DEFAULT_EPOCHS} when max_steps is null too"
     )
     shuffle: bool = _field(True, "batch", "shuffle the sample order each epoch, from (seed, epoch)")
+    pack_length: int | None = _field(
+        None,
+        "batch",
+        "pack the training (and validation) token documents, in each epoch's order, into rows of exactly "
+        "N tokens that never attend across documents (position_ids, document_ids); a sample is then a "
+        "row of N tokens; null: off",
+    )
     # optimization
     max_grad_norm: float | None = _field(
         None, "optimization", "clip gradients to this total L2 norm; null: no clipping"
@@ -121,6 +130,31 @@ class TrainConfig:
         "stop",
         "precision",
         "a non-finite loss or gradient: stop (save the last good state, exit non-zero) or skip the step",
+    )
+    # spikes
+    on_spike: SpikePolicy = _field(
+        "warn",
+        "spikes",
+        "a training step whose loss stands out (above median + spike_threshold x spread of the last "
+        "spike_window steps): off, warn, or rollback (go back to the newest snapshot in host memory, skip "
+        "the global batches since, go on; non-finite steps too)",
+    )
+    spike_threshold: float = _field(
+        6.0,
+        "spikes",
+        "how many spreads (the MAD x 1.4826 of the log losses, at least 0.01) above their median a spike is",
+    )
+    spike_window: int = _field(100, "spikes", "the steps whose losses make the baseline a spike is judged on")
+    snapshot_every: int | None = _field(
+        None,
+        "spikes",
+        "with on_spike rollback: copy the training state to host memory every N steps, a multiple of "
+        "log_every_n_steps (default: 4 log points)",
+    )
+    max_rollbacks: int = _field(
+        3,
+        "spikes",
+        "with on_spike rollback: stop the run (one line naming the spikes) at the next spike after N",
     )
     reduced_precision_reduction: bool = _field(
         False, "precision", "on CUDA, let 16-bit matmuls accumulate in 16-bit (faster, less exact)"
@@ -379,6 +413,26 @@ class TrainConfig:
         self._validate_storage()
         self._validate_watching()
         self._validate_adapters()
+        self._validate_spikes()
+
+    def _validate_spikes(self) -> None:
+        """Snapshots are taken at log points, where the steps before them have been judged."""
+        if self.snapshot_every is None:
+            return
+        if self.on_spike != "rollback":
+            raise ConfigError("snapshot_every", self.snapshot_every, "needs on_spike rollback")
+        if self.snapshot_every % self.log_every_n_steps:
+            raise ConfigError(
+                "snapshot_every",
+                self.snapshot_every,
+                f"must be a multiple of log_every_n_steps ({self.log_every_n_steps}): the steps before a "
+                "snapshot are judged at a log point",
+            )
+
+    @property
+    def snapshot_steps(self) -> int:
+        """Steps between two rollback snapshots (``snapshot_every``, else every 4 log points)."""
+        return self.snapshot_every or 4 * self.log_every_n_steps
 
     def _validate_schedule(self) -> None:
         """The warmup and the floor belong to a built-in schedule (a task's scheduler has its own)."""
@@ -499,6 +553,7 @@ _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "global_batch_size": (_positive, "must be a positive integer"),
     "micro_batch_size": (lambda v: v == "auto" or v > 0, "must be a positive integer, auto or null"),
     "reference_batch_size": (_positive, "must be a positive integer"),
+    "pack_length": (_positive, "must be a positive number of tokens"),
     "pipeline_stages": (lambda v: v >= 2, "must be 2 or more"),
     "lr_warmup_steps": (
         lambda v: v >= 0 and (isinstance(v, int) or v < 1),
@@ -522,6 +577,10 @@ _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "hang_timeout": (lambda v: 0 <= v < math.inf, "must be 0 (off) or a positive number of seconds"),
     "tracker_timeout": (lambda v: 0 < v < math.inf, "must be a positive number of seconds"),
     "ema_decay": (lambda v: 0 < v < 1, "must be between 0 and 1 (exclusive), e.g. 0.999"),
+    "spike_threshold": (lambda v: 0 < v < math.inf, "must be a positive finite number"),
+    "spike_window": (lambda v: v >= 20, "must be 20 or more (steps: a spike is judged against a median)"),
+    "snapshot_every": (_positive, "must be a positive integer"),
+    "max_rollbacks": (lambda v: v >= 0, "must be 0 or more"),
     "lora_rank": (_positive, "must be a positive integer"),
     "lora_targets": (
         lambda v: re.fullmatch(r"[\w.\-]+(,[\w.\-]+)*", v) is not None,

@@ -6,6 +6,8 @@ with code 2. Everything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class LeantrainError(Exception):
     """Base class of errors caused by the user's input (config, task, data, files)."""
@@ -70,6 +72,18 @@ class NonFiniteLossError(LeantrainError):
     def __init__(self, message: str, step: int = 0, checkpoint: str | None = None) -> None:
         self.step = step
         self.checkpoint = checkpoint
+        super().__init__(message)
+
+
+class SpikeError(LeantrainError):
+    """The training loss kept spiking: more than ``max_rollbacks`` rollbacks (``on_spike="rollback"``).
+
+    ``rollbacks`` lists each one as summary.json does (the spike's step and loss, the step restored, the
+    global batches skipped).
+    """
+
+    def __init__(self, message: str, rollbacks: list[dict[str, Any]]) -> None:
+        self.rollbacks = rollbacks
         super().__init__(message)
 
 

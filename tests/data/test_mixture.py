@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from collections import Counter
 
@@ -139,6 +140,11 @@ def test_a_killed_mixture_run_resumes_bit_identical(tmp_path, workers):
     counts = summary["mixture"]
     assert counts["table"]["samples"] + counts["stream"]["samples"] == 14 * 16
     assert [counts[n]["tokens"] for n in counts] == [2 * counts[n]["samples"] for n in counts]
+    # metrics.csv: the counts so far at each log point; the last row's are the summary's
+    with (tmp_path / "run" / "metrics.csv").open() as rows:
+        last = [row for row in csv.DictReader(rows) if row["train_loss"]][-1]
+    assert {n: int(float(last[f"{n}_samples"])) for n in counts} == {n: counts[n]["samples"] for n in counts}
+    assert {n: int(float(last[f"{n}_tokens"])) for n in counts} == {n: counts[n]["tokens"] for n in counts}
 
 
 @pytest.mark.parametrize(

@@ -193,3 +193,18 @@ def test_trace_is_written_for_perfetto(tmp_path: Path) -> None:
     assert len(files) == 1 and d.trace_dir == str(trace)
     events = json.loads(files[0].read_text())["traceEvents"]
     assert any(event.get("name") == "aten::addmm" for event in events)
+
+
+def test_a_non_finite_step_the_doctor_ran_is_named_in_its_report(tmp_path: Path) -> None:
+    """With --on-nan skip the doctor's run goes on past the step; its report says where the NaN came from."""
+    from rich.console import Console
+
+    from leantrain.diagnose.report import print_report
+    from tests.test_nan_policy import HugeTarget
+
+    d = doctor(HugeTarget(), tmp_path, global_batch_size=16, on_nan="skip")
+    assert d.nan_origin is not None and d.nan_origin.startswith("non-finite loss at step 3")
+    assert d.as_dict()["nan_origin"] == d.nan_origin
+    console = Console(record=True, width=400)
+    print_report(d, console)
+    assert f"non-finite step: {d.nan_origin}" in console.export_text()

@@ -9,7 +9,14 @@ from pathlib import Path
 import torch
 
 from leantrain.examples.charlm import CharLMTask
-from tests.conftest import DeepRegression, HeavyFromStep, PoisonedSteps, RegressionTask, StreamedRegression
+from tests.conftest import (
+    DeepRegression,
+    HeavyFromStep,
+    PlantedSpikes,
+    PoisonedSteps,
+    RegressionTask,
+    StreamedRegression,
+)
 
 
 def mean_task() -> RegressionTask:
@@ -272,3 +279,8 @@ def tiny_llama_lora() -> TinyLlamaLoRA:
 
 def tiny_llama_lora_float64() -> TinyLlamaLoRA:
     return TinyLlamaLoRA(torch.float64)
+
+
+def planted_spikes() -> PlantedSpikes:
+    """Bad samples in the global batches of steps 27 and 44 (see tests/test_spikes.py)."""
+    return PlantedSpikes.at_steps([27, 44])

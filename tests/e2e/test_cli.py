@@ -145,6 +145,7 @@ FROZEN_FIT_FLAGS = {
     "--max-steps",
     "--max-epochs",
     "--shuffle",
+    "--pack-length",
     "--max-grad-norm",
     "--lr-scaling",
     "--reference-batch-size",
@@ -153,6 +154,11 @@ FROZEN_FIT_FLAGS = {
     "--lr-min-ratio",
     "--precision",
     "--on-nan",
+    "--on-spike",
+    "--spike-threshold",
+    "--spike-window",
+    "--snapshot-every",
+    "--max-rollbacks",
     "--reduced-precision-reduction",
     "--activation-checkpointing",
     "--memory-budget",
@@ -316,7 +322,7 @@ def test_leantrain_warnings_are_one_line_as_its_errors_are(tmp_path, capfd):
         assert main(["fit", "--task", task, *flags, "--out", str(tmp_path / "run"), "--logger", "none"]) == 0
         assert warnings.showwarning is python_display
     err = capfd.readouterr().err
-    assert "leantrain: warning: step 3 skipped: the training loss is not finite\n" in err
+    assert "leantrain: warning: step 3 skipped: the training loss is not finite; replaying step 3" in err
     assert "LeantrainWarning" not in err
 
 

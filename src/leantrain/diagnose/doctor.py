@@ -60,6 +60,7 @@ class Diagnosis:
     schedule: Schedule
     trace_dir: str | None = None
     notes: list[str] = field(default_factory=list)
+    nan_origin: str | None = None  # a non-finite step's (--on-nan skip): where its value came from
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` object."""
@@ -84,6 +85,7 @@ class Diagnosis:
             "steps": dataclasses.asdict(self.schedule),
             "step_phases": self.step_phases,
             "trace_dir": self.trace_dir,
+            "nan_origin": self.nan_origin,
         }
 
 
@@ -215,6 +217,7 @@ def diagnose_run(
         facts=facts,
         schedule=probe.schedule,
         trace_dir=None if probe.trace_dir is None else str(probe.trace_dir),
+        nan_origin=result.nan_origin,
     )
 
 

@@ -84,6 +84,8 @@ def print_report(d: Diagnosis, console: Console) -> None:
             f"process peak {format_bytes(d.peak_memory_bytes)}"
         )
     _print_findings(d, console)
+    if d.nan_origin:
+        console.print(f"non-finite step: {d.nan_origin}", markup=False, highlight=False)
     if not d.advice:
         console.print("advice: nothing to change found")
     for rank, advice in enumerate(d.advice, 1):

@@ -210,7 +210,7 @@ def build_data(
     cfg, data_env = ctx.cfg, ctx.data_env
     pin = cfg.pin_memory if cfg.pin_memory is not None else ctx.device.type == "cuda"
     train_loader, workers, prefetch = build_train_loader(
-        train, cfg, data_env, split, schedule.total_steps, resumed.step, pin
+        train, cfg, data_env, split, schedule.total_steps, resumed.step, pin, resumed.data
     )
     validation = build_val_loader(ctx.task, cfg, data_env, split, workers, prefetch, pin, train.notes)
     if ctx.device.type == "cpu":  # the workers and the step's compute share this node's CPUs

@@ -1,9 +1,11 @@
 """The data part: the run's schedule, the split of the global batch, and the loaders that follow it.
 
 Built by ``builders.build_data`` once the step to start from is known (a resumed checkpoint's).
-The position in the data is the step alone: the sampler derives every global batch from
+The position in map-style data is the step alone: the sampler derives every global batch from
 (seed, epoch, step), so a checkpoint records the step and the numbers that must not change
-under it (``checkpoint_state``); ``check_compatible`` compares them when resuming.
+under it (``checkpoint_state``); ``check_compatible`` compares them when resuming. A stream's
+position (and a mixture's tokens per source) is read by the loader's processes and kept by
+the main process (``data/shard.py``): the checkpoint holds it too, as ``data_position``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from torch.utils.data import DataLoader
 from leantrain.config import TrainConfig
 from leantrain.data.build import TrainData, ValidationData, build_train_loader
 from leantrain.data.loader import device_batches, move_to_device, stop_workers
-from leantrain.data.sampler import steps_per_epoch
+from leantrain.data.mixture import Mixture
+from leantrain.data.sampler import GlobalBatchSampler, steps_per_epoch
+from leantrain.data.shard import DataPosition
 from leantrain.run.context import RunContext
 from leantrain.run.watchdog import Heartbeat
 from leantrain.step.batching import BatchSplit
@@ -64,8 +68,10 @@ class DataPart:
         self.input_dtype = input_dtype  # batches are cast to it on the way (true 16-bit precisions)
 
     def restart(self, split: BatchSplit, step: int) -> None:
-        """The training batches from ``step`` on, cut as ``split`` says."""
+        """The training batches from ``step`` on, cut as ``split`` says (streams from where they are)."""
         self.split = split
+        position = self._position()
+        saved = None if position is None else self._position_state(position, step, position.tokens(step))
         self.train_loader, _, _ = build_train_loader(
             self.train,
             self.ctx.cfg,
@@ -74,7 +80,20 @@ class DataPart:
             self.schedule.total_steps,
             step,
             self.pin_memory,
+            saved,
+            None if saved is None else saved["tokens"],
         )
+
+    def global_batch_indices(self, after: int, through: int) -> list[int] | None:
+        """The sample indices of steps ``after + 1 .. through`` (1-based; None for a stream, whose
+        positions are the steps' global batches in the stream's order)."""
+        if self.train.size is None or self.train.is_stream:
+            return None
+        order = GlobalBatchSampler(
+            self.train.size, self.split, self.schedule.total_steps, seed=self.ctx.cfg.seed,
+            shuffle=self.ctx.cfg.shuffle,
+        )  # fmt: skip
+        return [index for step in range(after, through) for index in order.global_batch(step)]
 
     def batches(self, heartbeat: Heartbeat) -> Iterator[Any]:
         """The training micro-batches on the device, measured if the doctor asked."""
@@ -103,10 +122,46 @@ class DataPart:
         stop_workers(self.train_loader)
         stop_workers(self.validation and self.validation.loader)
 
-    def checkpoint_state(self, done: int) -> dict[str, Any]:
-        return {
+    def _position(self) -> DataPosition | None:
+        """Where the streams and a mixture's sources are (None for map-style data: the step says it)."""
+        return getattr(self.train_loader, "position", None)
+
+    @staticmethod
+    def _position_state(position: DataPosition, done: int, tokens: list[int]) -> dict[str, Any]:
+        return {"step": done, "sources": position.names, "positions": position.after(done), "tokens": tokens}
+
+    def rank_state(self, done: int) -> dict[str, Any]:
+        """This process's part of the data position: the tokens of its micro-batches (gathered)."""
+        position = self._position()
+        return {} if position is None else {"data_tokens": position.tokens(done)}
+
+    def checkpoint_state(self, done: int, per_rank: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The data position after ``done`` steps; ``per_rank``: every rank's ``rank_state``."""
+        state: dict[str, Any] = {
             "step": done,
             "dataset_size": self.train.size,
             "micro_batch_size": self.split.micro_batch_size,
             "accumulation_steps": self.split.accumulation_steps,
+        }
+        if (position := self._position()) is not None:
+            ranks = [rank["data_tokens"] for rank in per_rank or [self.rank_state(done)]]
+            tokens = [sum(counts) for counts in zip(*ranks, strict=True)]
+            state["data_position"] = self._position_state(position, done, tokens)
+        return state
+
+    def mixture_counts(self, done: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+                       ) -> dict[str, dict[str, int]]:  # fmt: skip
+        """A mixture's samples and tokens per source in steps ``0..done-1`` (``reduce``: the sum over
+        ranks, a collective every rank calls); empty for other data."""
+        if not isinstance(self.train.dataset, Mixture):
+            return {}
+        position = self._position()
+        assert position is not None
+        tokens = torch.tensor(position.tokens(done), dtype=torch.int64, device=self.ctx.device)
+        totals = (reduce(tokens) if reduce is not None else tokens).tolist()
+        plan = self.train.dataset.plan("train_data", self.split.global_batch_size, 0, False)
+        samples = plan.draws_before(done)  # the counts depend on the step alone
+        return {
+            name: {"samples": int(count), "tokens": int(total)}
+            for name, count, total in zip(position.names, samples, totals, strict=True)
         }

@@ -16,6 +16,7 @@ from typing import Any
 
 from leantrain.adapters import ADAPTER_FOLDER
 from leantrain.data.build import load_train_data
+from leantrain.diagnose.nan_origin import origin_line
 from leantrain.errors import NonFiniteLossError, RunInterrupted
 from leantrain.files import atomic_write_json
 from leantrain.run.builders import (
@@ -30,7 +31,9 @@ from leantrain.run.data import Schedule
 from leantrain.run.hooks import Callback, StepStats
 from leantrain.run.observers import LogWindow
 from leantrain.run.persistence import Persistence
+from leantrain.run.recovery import Recovery
 from leantrain.run.results import FitResult, fit_result
+from leantrain.run.spikes import Spike
 from leantrain.runtime import emulated_precision
 from leantrain.step.accumulator import StepOutcome, StepStatus, TaskLoss
 from leantrain.step.batching import BatchSplit
@@ -62,7 +65,11 @@ class Run:
         self.observers = build_observers(
             ctx, self.model, self.optimization, self.data, self.persistence, self.resumed, callbacks
         )
+        self.recovery = Recovery(cfg)  # --on-spike: its state as the checkpoint left it
+        if (note := self.recovery.load(self.resumed.spikes, ctx.env.rank, ctx.env.world_size)) is not None:
+            self.resumed.notes.append(note)
         self.steps_done = 0  # the step training ended at: total_steps, or where it stopped early
+        self.task_loss = TaskLoss(ctx.task)  # keeps the step's micro-batches: a non-finite one is replayed
         self.val_metrics: dict[str, float] = {}
         self._log_setup()
 
@@ -138,13 +145,15 @@ class Run:
         if self._stop_requested(signals, step, checkpoint_due=True):  # a signal while it was set up
             received = signals.received or signal.SIGTERM
             raise RunInterrupted(received.name, int(received), step, None, set_up_only=True)
-        task_loss = TaskLoss(self.ctx.task)
+        task_loss = self.task_loss
         loss_fn = observers.heartbeat.after(
             self.ctx.instruments.loss(self.optimization.sizer.enforce_budget(task_loss))
         )
         batches = self.data.batches(observers.heartbeat)
         self.model.strategy.module.train()
         self.resumed.restore_rng()  # last, after everything that draws random numbers at set-up
+        if self.recovery.rolls_back and self.recovery.snapshot is None:  # a state to go back to at once
+            self.recovery.take(step, self.model, self.optimization, observers)
         window = LogWindow(step, time.perf_counter(), observers.compiler.seconds)
         memory = self.optimization.memory  # what the first step saves for backward is counted
         while step < total:
@@ -164,8 +173,8 @@ class Run:
             if not outcome.stepped:
                 self._skipped(step, outcome.status)
             observers.on_step(StepStats(done, *outcome))
-            if log_due:
-                self._log_point(done, window, outcome)
+            if log_due and (spike := self._log_point(done, window, outcome)) is not None:
+                self._after_spike(spike, done)
             val_due = self.data.validation_due(done)
             if val_due:
                 window.leave_out(self._validate(done), observers.compiler.seconds)
@@ -175,6 +184,8 @@ class Run:
             checkpoint_due = cfg.checkpoint_due(done, total) or asked or early is not None
             if (stop := self._stop_requested(signals, done, checkpoint_due)) or checkpoint_due:
                 self._save_at(done, stop, signals)
+            if self.recovery.snapshot_due(done):  # the state a checkpoint here holds
+                self.recovery.take(done, self.model, self.optimization, observers)
             step = self.steps_done = observers.heartbeat.step = done
             observers.heartbeat.beat()  # the step, and its checkpoint, are done
             if early is not None:
@@ -195,38 +206,87 @@ class Run:
             raise RunInterrupted(received.name, int(received), done, path and str(path))
 
     def _save_checkpoint(self, done: int) -> Path:
-        return self.persistence.save(done, self.model, self.optimization, self.data, self.observers)
+        return self.persistence.save(
+            done, self.model, self.optimization, self.data, self.observers, self.recovery
+        )
+
+    def _after_spike(self, spike: Spike, done: int) -> None:
+        """Warn of a spike, or roll back past it."""
+        if not self.recovery.rolls_back:
+            self.observers.logger.warning(f"{spike.describe()} (--on-spike rollback would undo it)")
+            return
+        self._roll_back(spike, done)
+
+    def _roll_back(self, spike: Spike, done: int) -> None:
+        """Restore the snapshot and go on after step ``done``: the batches since the snapshot are skipped.
+        The loader stays: its next batch is step ``done + 1``'s, as the data order is the step's."""
+        observers = self.observers
+        parts = (self.model, self.optimization, observers)
+        record = self.recovery.roll_back(spike, done, parts, self.data.global_batch_indices)
+        first, last = record["skipped_steps"]
+        observers.logger.warning(
+            f"{spike.describe()}: rolled back to step {record['restored_step']}, skipping the global "
+            f"batches of steps {first}-{last} ({len(self.recovery.rollbacks)} of at most "
+            f"{self.recovery.max_rollbacks} rollbacks)"
+        )
+        event = {"rolled_back_to_step": float(record["restored_step"]), "spike_loss": spike.loss}
+        observers.logger.log(done, event)
+        observers.on_log(done, event)
 
     def _skipped(self, step: int, status: StepStatus) -> None:
-        """Count a step that made no update; apply the NaN policy to a non-finite one."""
+        """Count a step that made no update; apply the NaN policy to a non-finite one (with
+        ``--on-spike rollback``: roll back past it)."""
         self.observers.health.count_skip(step, status)
         if status is StepStatus.OVERFLOW:
             return  # routine for fp16: the scale was lowered
         self.optimization.tracker.discard_step(step)  # non-finite values never reach the log
         what = "loss" if status is StepStatus.NONFINITE_LOSS else "gradient norm"
+        origin = self._nan_origin(step, status)  # before a rollback: the replay sees the step's weights
+        detail = "" if origin is None else f"; {origin}"
+        if self.recovery.rolls_back:
+            self._roll_back(Spike(step + 1, float("nan"), float("nan"), what, origin), step + 1)
+            return
         if self.ctx.cfg.on_nan == "skip":
-            self.observers.logger.warning(f"step {step + 1} skipped: the training {what} is not finite")
+            self.observers.logger.warning(
+                f"step {step + 1} skipped: the training {what} is not finite{detail}"
+            )
             return
         remedy = "lower the learning rate or check the data (or pass --on-nan skip to drop such steps)"
         if not self.ctx.cfg.saves_checkpoints:
             raise NonFiniteLossError(
-                f"the training {what} is not finite at step {step + 1}; nothing was saved "
+                f"the training {what} is not finite at step {step + 1}{detail}; nothing was saved "
                 f"(checkpoint_every is never); {remedy}, then train again",
                 step=step + 1,
             )
         path = self._save_checkpoint(step)  # nothing was updated: the state after the step before
         self.persistence.saves.wait()
         raise NonFiniteLossError(
-            f"the training {what} is not finite at step {step + 1}; the last good state (after step "
+            f"the training {what} is not finite at step {step + 1}{detail}; the last good state (after step "
             f"{step}) is saved in {path}; {remedy}, then continue with --resume auto",
             step=step + 1,
             checkpoint=str(path),
         )
 
-    def _log_point(self, done: int, window: LogWindow, outcome: StepOutcome) -> None:
-        """Read the device-side metrics (the host sync of this window) and write them out."""
+    def _nan_origin(self, step: int, status: StepStatus) -> str | None:
+        """Where the non-finite value came from: the step's micro-batches replayed once with hooks (not
+        under a pipeline, whose stages hold parts of the model); the first such line is kept."""
+        strategy = self.model.strategy
+        if strategy.dims.pp > 1:
+            return None
+        gradients = status is StepStatus.NONFINITE_GRADIENT
+        origin = origin_line(
+            strategy.module, self.task_loss, self.model.precision, step + 1, gradients, strategy.gather
+        )
+        progress = self.persistence.progress
+        progress.nan_origin = progress.nan_origin or origin
+        return origin
+
+    def _log_point(self, done: int, window: LogWindow, outcome: StepOutcome) -> Spike | None:
+        """Read the device-side metrics (the host sync of this window) and write them out; the
+        window's first spike, if ``--on-spike`` finds one."""
         strategy, progress = self.model.strategy, self.persistence.progress
-        losses = self.optimization.tracker.read(strategy.all_reduce_sum if self.ctx.env.distributed else None)
+        reduce = strategy.all_reduce_sum if self.ctx.env.distributed else None
+        losses = self.optimization.tracker.read(reduce)
         steps, seconds = window.close(done, self.observers.compiler.seconds)
         progress.train_seconds += seconds
         # No losses: every step since the last log point was dropped for a non-finite loss.
@@ -245,11 +305,14 @@ class Run:
             metrics["grad_norm"] = float(outcome.grad_norm)
         loss_scale = self.model.precision.loss_scale()
         metrics.update(self.observers.health.metrics(done, steps, loss_scale, outcome.grad_underflow_share))
+        for source, counts in self.data.mixture_counts(done, reduce).items():  # a mixture's, so far
+            metrics.update({f"{source}_{what}": count for what, count in counts.items()})
         self.observers.logger.log(done, metrics)
         remaining = (self.data.schedule.total_steps - done) * self.data.split.global_batch_size / speed
         self.observers.logger.progress.update(done, train_loss, speed, remaining)
         self.observers.on_log(done, metrics)
         window.restart(done)
+        return None if losses is None else self.recovery.judge(losses.step_losses)
 
     def _validate(self, done: int) -> float:
         """Validate, log the metrics and return the seconds it took."""
@@ -290,6 +353,7 @@ class Run:
             self.data,
             self.persistence,
             self.observers,
+            self.recovery,
             breakdown,
             self.val_metrics,
         )

@@ -47,6 +47,7 @@ from leantrain.run.mirror import MirroredCheckpoints, fetch_checkpoint
 from leantrain.run.model import ModelPart
 from leantrain.run.observers import Observers
 from leantrain.run.optimization import Optimization
+from leantrain.run.recovery import Recovery
 from leantrain.run.world_change import change_note, rng_of_rank
 from leantrain.strategies.sharded_state import load_dcp_extra, load_dcp_state
 
@@ -61,6 +62,7 @@ class Progress:
     final_train_loss: float = math.nan  # the last logged step's
     skipped_steps: int = 0  # without an update: fp16 overflows, non-finite steps skipped
     nonfinite_steps: int = 0
+    nan_origin: str | None = None  # where the run's first non-finite value came from
     # In the earlier processes of the run; this process's are added when saved or summed up.
     wall_seconds: float = 0.0
     checkpoint_blocked_seconds: float = 0.0
@@ -83,6 +85,8 @@ class Resumed:
     callbacks_in_shards: list[str] = field(default_factory=list)  # those saved with the shards
     shards: Path | str | None = None  # the checkpoint's shard folder (or URL), if it has one
     notes: list[str] = field(default_factory=list)  # for the run log
+    data: dict[str, Any] | None = None  # the streams' and a mixture's position (``DataPart``)
+    spikes: dict[str, Any] | None = None  # the spike rule's history and the rollbacks (``recovery.py``)
 
     def restore_rng(self) -> None:
         if self.rng is not None:
@@ -140,21 +144,24 @@ class Persistence:
     # -- saving -----------------------------------------------------------------------------
 
     def save(self, done: int, model: ModelPart, optimization: Optimization, data: DataPart,
-             observers: Observers) -> Path:  # fmt: skip
+             observers: Observers, recovery: Recovery) -> Path:  # fmt: skip
         """Everything the next step depends on, taken at this step boundary; rank 0 writes it
         (on a thread, with ``async_checkpoint``: ``saves.wait()`` waits for it)."""
         with self.saves.blocking():
             self.saves.settle()  # at most one save in flight: the previous one ends first
-            path = self._save(done, model, optimization, data, observers)
+            path = self._save(done, model, optimization, data, observers, recovery)
             # Here, not on the save's thread: the log files are whole between steps.
             self.publish()
             return path
 
     def _save(self, done: int, model: ModelPart, optimization: Optimization, data: DataPart,
-              observers: Observers) -> Path:  # fmt: skip
+              observers: Observers, recovery: Recovery) -> Path:  # fmt: skip
         strategy, env = model.strategy, self.ctx.env
         # Each rank's generators and unlogged losses: they differ by rank.
-        per_rank = strategy.gather({"rng": capture_rng(), **optimization.rank_state()})
+        per_rank = strategy.gather(
+            {"rng": capture_rng(), **optimization.rank_state(), **data.rank_state(done)}
+        )
+        spikes = recovery.checkpoint_state(done, strategy.gather, strategy.sharded)
         path = self.checkpoints.folder / checkpoint_name(done)
         callbacks, in_shards = observers.checkpoint_state(strategy.sharded)
         shards, written = None, None
@@ -177,7 +184,7 @@ class Persistence:
             "compile_seconds": self.progress.compile_seconds + observers.compiler.seconds,
         }
         state = {
-            **data.checkpoint_state(done),
+            **data.checkpoint_state(done, per_rank),
             "model": None if shards else _trained_state(model),
             "frozen": None if model.frozen is None else model.frozen.checkpoint_state(),
             "optimizer": None if shards else optimization.optimizer.state_dict(),
@@ -189,6 +196,7 @@ class Persistence:
             "progress": progress,
             "callbacks": callbacks,
             "callbacks_in_shards": list(in_shards),
+            "spikes": spikes,
             "config": self.ctx.cfg.to_dict(),
             "world_size": env.world_size,
             "leantrain_version": __version__,
@@ -226,6 +234,8 @@ class Persistence:
             callbacks_in_shards=state.get("callbacks_in_shards", []),
             shards=shards,
             notes=[note] if (note := change_note(state, env)) else [],
+            data=state.get("data_position"),
+            spikes=state.get("spikes"),
         )
 
     def _checkpoint_to_resume(self) -> tuple[Path, dict[str, Any]] | None:

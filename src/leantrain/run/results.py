@@ -15,6 +15,7 @@ from leantrain.run.data import DataPart
 from leantrain.run.model import ModelPart
 from leantrain.run.observers import Observers
 from leantrain.run.persistence import Persistence
+from leantrain.run.recovery import Recovery
 from leantrain.runtime import peak_memory_bytes
 from leantrain.step.compilation import CompilerEvent
 
@@ -40,6 +41,10 @@ class FitResult:
     compute_threads: int = 1  # torch's intra-op threads in training (lowered beside workers on CPU)
     skipped_steps: int = 0  # steps without an update: fp16 overflows and, with on_nan=skip, non-finite ones
     nonfinite_steps: int = 0  # of those, the steps whose loss or gradient was NaN/inf
+    nan_origin: str | None = None  # where the first non-finite value came from (a module, the loss)
+    loss_spikes: int = 0  # steps whose loss stood out (--on-spike warn or rollback)
+    # --on-spike rollback: each spike's step and loss, the step restored, the steps and samples skipped
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
     stopped_early: bool = False  # early stopping ended the run at `steps`, before the schedule's end
     checkpoint_blocked_seconds: float = (
         0.0  # training time lost to saving checkpoints (all processes of the run)
@@ -50,6 +55,7 @@ class FitResult:
     optimizer_bytes: int = 0
     activation_bytes: int = 0  # saved for backward by one micro-batch, measured at the first step
     ema_bytes: int = 0  # the moving average of the weights (--ema-decay), when kept
+    mixture: dict[str, dict[str, int]] = field(default_factory=dict)  # samples and tokens per source
     val_metrics: dict[str, float] = field(default_factory=dict)
     compiler_events: list[CompilerEvent] = field(default_factory=list)  # recompilations, graph breaks
     out_dir: Path | None = None  # the run's files on this machine (a URL run's staging folder)
@@ -62,6 +68,7 @@ class FitResult:
             f.name: getattr(self, f.name)
             for f in fields(self)
             if f.name not in ("val_metrics", "compiler_events", "out_dir", "out_url", "model")
+            and (f.name != "mixture" or self.mixture)  # only for a mixture
         }
         return {**data, **self.val_metrics, "out_dir": self.out_url or str(self.out_dir)}
 
@@ -73,6 +80,7 @@ def fit_result(
     data: DataPart,
     persistence: Persistence,
     observers: Observers,
+    recovery: Recovery,
     memory: MemoryBreakdown | None,
     val_metrics: dict[str, float],
 ) -> FitResult:
@@ -97,11 +105,15 @@ def fit_result(
         compute_threads=torch.get_num_threads(),
         skipped_steps=int(progress.skipped_steps),
         nonfinite_steps=int(progress.nonfinite_steps),
+        nan_origin=progress.nan_origin,
+        loss_spikes=recovery.spikes,
+        rollbacks=list(recovery.rollbacks),
         stopped_early=steps < data.schedule.total_steps,  # the only way to end short of it
         checkpoint_blocked_seconds=persistence.checkpoint_blocked_seconds(),
         compile_seconds=progress.compile_seconds + compiler.seconds,
         compiler_events=compiler.events,
         **(memory.as_dict() if memory is not None else {}),
+        mixture=data.mixture_counts(steps, model.strategy.all_reduce_sum if ctx.env.distributed else None),
         val_metrics=dict(val_metrics),
         out_dir=ctx.run_dir,
         out_url=ctx.mirror.url if ctx.mirror is not None else None,

@@ -31,6 +31,8 @@ class LossWindow:
 
     mean_loss: float  # over every sample (or element, for LossSum) in the window
     last_step_loss: float  # over the last optimizer step's batch (the global batch when reduced)
+    # (step index, loss over its batch) for each step of the window, in order: what spikes are judged on.
+    step_losses: tuple[tuple[int, float], ...] = ()
 
 
 class LossTracker:
@@ -95,7 +97,7 @@ class LossTracker:
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         """Restore a saved window (also the per-entry lists that earlier versions saved)."""
-        self._clear()
+        self.clear()
         totals, weights = state["totals"], state["weights"]
         for i, (step, is_mean) in enumerate(zip(state["steps"], state["is_mean"], strict=True)):
             weight = weights[i]
@@ -128,15 +130,17 @@ class LossTracker:
         if all_reduce_sum is not None:
             both = all_reduce_sum(both)
         sums, weights = both.cpu()  # the one host sync
-        last = torch.arange(self._size) >= self._step_starts[-1][1]
+        bounds = pairwise([*(start for _, start in self._step_starts), self._size])
+        per_step = [float(sums[a:b].sum() / weights[a:b].sum().clamp(min=1)) for a, b in bounds]
         window = LossWindow(
             mean_loss=float(sums.sum() / weights.sum().clamp(min=1)),
-            last_step_loss=float(sums[last].sum() / weights[last].sum().clamp(min=1)),
+            last_step_loss=per_step[-1],
+            step_losses=tuple(zip((step for step, _ in self._step_starts), per_step, strict=True)),
         )
-        self._clear()
+        self.clear()
         return window
 
-    def _clear(self) -> None:
+    def clear(self) -> None:
         """An empty window; the buffers stay for the next one."""
         self._step_starts.clear()
         self._truncate(0)
