@@ -169,3 +169,63 @@ def test_a_mixture_needs_max_steps(fit):
     task = MixedRegression()
     with pytest.raises(lt.TaskError, match="train_data is a Mixture: set max_steps"):
         fit(task, global_batch_size=16, max_epochs=1)
+
+
+class PackedSources:
+    """Two sources of token documents (tokens 0-49 and 50-99, lengths 3-40) mixed 3:1 and packed: a
+    row must hold one source's tokens, and the tokens must keep the weights."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        lengths = torch.randint(3, 41, (300,), generator=gen).tolist()
+        self.documents = {
+            name: [torch.randint(low, low + 50, (n,), generator=gen) for n in lengths]
+            for name, low in (("web", 0), ("code", 50))
+        }
+        self.mixed_rows = 0
+
+    def model(self):
+        return torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 100))
+
+    def train_data(self):
+        return lt.Mixture(self.documents, weights={"web": 3, "code": 1})
+
+    def loss(self, model, batch):
+        ids, labels = batch["input_ids"], batch["labels"]
+        self.mixed_rows += int(((ids < 50).any(1) & (ids >= 50).any(1)).sum())
+        logits = model(ids)
+        kept = labels != -100
+        return lt.LossSum(
+            torch.nn.functional.cross_entropy(logits[kept], labels[kept], reduction="sum"), kept.sum()
+        )
+
+    def optimizer(self, params):
+        return torch.optim.SGD(params, lr=0.1)
+
+
+def test_a_packed_mixture_packs_within_each_source_and_keeps_the_token_ratios(tmp_path):
+    task = PackedSources()
+    config = quiet_config(tmp_path / "run", global_batch_size=8, max_steps=200, pack_length=16)
+    result = lt.Trainer(config).fit(task)
+    assert task.mixed_rows == 0
+    tokens = {name: counts["tokens"] for name, counts in result.mixture.items()}
+    assert tokens["web"] + tokens["code"] == 200 * 8 * 16
+    assert abs(tokens["web"] / (200 * 8 * 16) - 0.75) < 0.01
+    with pytest.raises(
+        lt.ConfigError,
+        match=r"^invalid pack_length=16: packs map-style data; train_data source 'web' is an IterableDataset",
+    ):
+        lt.Trainer(quiet_config(tmp_path / "stream", global_batch_size=8, max_steps=2, pack_length=16)).fit(
+            StreamSource()
+        )
+
+
+class StreamSource(PackedSources):
+    def train_data(self):
+        documents = self.documents["web"]
+
+        class Stream(IterableDataset):
+            def __iter__(self):
+                return iter(documents)
+
+        return lt.Mixture({"web": Stream(), "code": self.documents["code"]}, weights={"web": 1, "code": 1})

@@ -110,6 +110,10 @@ def _packed(dataset: Any, cfg: TrainConfig, name: str, shuffle: bool, notes: lis
     """``dataset``'s token documents packed into rows of ``cfg.pack_length`` (see ``packing.py``)."""
     if cfg.pack_length is None:
         return dataset
+    if isinstance(dataset, Mixture):  # rows packed within each source: a row's N tokens are one source's
+        return dataset.mapped(
+            lambda source, data: _packed(data, cfg, f"{name} source {source!r}", shuffle, notes)
+        )
     if isinstance(dataset, IterableDataset):
         raise ConfigError(
             "pack_length", cfg.pack_length, f"packs map-style data; {name} is an IterableDataset"
