@@ -96,13 +96,23 @@ class StreamTask(RegressionTask):
 
 
 @pytest.mark.parametrize(("workers", "stateless"), [(0, False), (2, False), (2, True)])
-def test_a_killed_run_on_a_stream_resumes_bit_identical(tmp_path, workers, stateless):
+def test_a_killed_run_on_a_stream_resumes_bit_identical(tmp_path, workers, stateless, capsys):
     settings = dict(
         global_batch_size=16, micro_batch_size=8, max_steps=14, checkpoint_every=3, num_workers=workers
     )
     reference = lt.Trainer(quiet_config(tmp_path / "whole", **settings)).fit(StreamTask(stateless))
     with pytest.raises(KeyboardInterrupt):
         lt.Trainer(quiet_config(tmp_path / "run", **settings), [StopAt(8)]).fit(StreamTask(stateless))
-    resumed = lt.Trainer(quiet_config(tmp_path / "run", resume="auto", **settings)).fit(StreamTask(stateless))
+    capsys.readouterr()
+    config = quiet_config(tmp_path / "run", resume="auto", progress="plain", **settings)
+    resumed = lt.Trainer(config).fit(StreamTask(stateless))
     for name, value in reference.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], value), name
+    # The run log says how the stream got back to step 6 (the checkpoint before the kill).
+    said = capsys.readouterr().out
+    if stateless:  # read again from the start of its epoch: 6 steps x 16 items
+        assert "train_data: re-reads 96 items to reach step 6 (no exact state_dict())" in said
+    else:
+        assert (
+            "train_data: resumed from the stream's saved state at epoch 0, item 96 (nothing re-read)" in said
+        )
