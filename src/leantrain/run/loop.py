@@ -153,7 +153,7 @@ class Run:
         self.model.strategy.module.train()
         self.resumed.restore_rng()  # last, after everything that draws random numbers at set-up
         if self.recovery.rolls_back and self.recovery.snapshot is None:  # a state to go back to at once
-            self.recovery.take(step, self.model, self.optimization, observers)
+            self.recovery.take(step, (self.model, self.optimization, observers))
         window = LogWindow(step, time.perf_counter(), observers.compiler.seconds)
         memory = self.optimization.memory  # what the first step saves for backward is counted
         while step < total:
@@ -185,7 +185,7 @@ class Run:
             if (stop := self._stop_requested(signals, done, checkpoint_due)) or checkpoint_due:
                 self._save_at(done, stop, signals)
             if self.recovery.snapshot_due(done):  # the state a checkpoint here holds
-                self.recovery.take(done, self.model, self.optimization, observers)
+                self.recovery.take(done, (self.model, self.optimization, observers))
             step = self.steps_done = observers.heartbeat.step = done
             observers.heartbeat.beat()  # the step, and its checkpoint, are done
             if early is not None:

@@ -15,7 +15,6 @@ at any step, makes the same decisions and ends bit-identical to the run that was
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,8 @@ from leantrain.run.spikes import Spike, SpikeDetector
 
 # The sample indices of the steps after the first through the second (1-based; None for a stream).
 Samples = Callable[[int, int], list[int] | None]
+# The run's parts whose state a snapshot holds.
+Parts = tuple[ModelPart, Optimization, Observers]
 
 
 class Recovery:
@@ -41,7 +42,6 @@ class Recovery:
         self.snapshot: HostSnapshot | None = None  # the newest good state (rollback only)
         self.rollbacks: list[dict[str, Any]] = []  # as summary.json lists them
         self.spikes = 0  # spikes found (warned about or rolled back)
-        self.snapshot_seconds = 0.0  # this process's time spent taking snapshots
 
     @property
     def rolls_back(self) -> bool:
@@ -58,16 +58,12 @@ class Recovery:
     def snapshot_due(self, done: int) -> bool:
         return self.rolls_back and done % self.every == 0
 
-    def take(self, done: int, model: ModelPart, optimization: Optimization, observers: Observers) -> None:
+    def take(self, done: int, parts: Parts) -> None:
         """The state after step ``done`` into host memory (it replaces the previous snapshot)."""
-        started = time.perf_counter()
         self.snapshot = None  # the old copy goes first: two never sit in memory together
-        self.snapshot = HostSnapshot.capture(done, _training_state(model, optimization, observers))
-        self.snapshot_seconds += time.perf_counter() - started
+        self.snapshot = HostSnapshot.capture(done, _training_state(*parts))
 
-    def roll_back(
-        self, spike: Spike, done: int, parts: tuple[ModelPart, Optimization, Observers], samples: Samples
-    ) -> dict[str, Any]:
+    def roll_back(self, spike: Spike, done: int, parts: Parts, samples: Samples) -> dict[str, Any]:
         """Restore the snapshot; the record of it (``samples(after, through)``: the skipped steps'
         sample indices, None for a stream). Past ``max_rollbacks``, a ``SpikeError`` instead."""
         assert self.snapshot is not None, "a snapshot is taken when training starts"
