@@ -13,7 +13,7 @@ from torch import nn
 
 import leantrain as lt
 from leantrain.run.snapshot import HostSnapshot, TrainingState
-from leantrain.run.spikes import MIN_HISTORY, SpikeDetector
+from leantrain.run.spikes import MIN_HISTORY, Spike, SpikeDetector
 from leantrain.step.precision import make_precision
 from tests.conftest import PlantedSpikes, PoisonedSteps, quiet_config
 from tests.test_resume import StopAt
@@ -40,30 +40,58 @@ def falling(steps: int) -> list[tuple[int, float]]:
     return [(i, float(2.0 * 0.999**i * wobble[i].abs())) for i in range(steps)]
 
 
+def judged(losses: list[tuple[int, float]], every: int = 10, window: int = 100) -> Spike | None:
+    """The first spike a run logging every ``every`` steps finds in ``losses`` (one call per log point)."""
+    detector = SpikeDetector(6.0, window)
+    for first in range(0, len(losses), every):
+        if (spike := detector.first_spike(losses[first : first + every], accept=True)) is not None:
+            return spike
+    return None
+
+
 def test_the_rule_finds_the_first_spike_and_nothing_in_ordinary_training():
-    detector = SpikeDetector(threshold=6.0, window=100)
-    assert detector.first_spike(falling(300), accept=True) is None
+    assert judged(falling(300)) is None
     losses = falling(300)
-    losses[150] = (150, losses[150][1] * 4)  # four times its neighbours (the wobble: 20 %)
+    losses[155] = (155, losses[155][1] * 4)  # four times its neighbours (the wobble: 20 %)
     losses[200] = (200, losses[200][1] * 50)
-    spike = SpikeDetector(6.0, 100).first_spike(losses, accept=True)
-    assert (spike.step, spike.loss) == (151, losses[150][1])
-    assert losses[150][1] > spike.threshold > losses[149][1]
+    spike = judged(losses)
+    assert (spike.step, spike.loss) == (156, losses[155][1])
+    assert losses[155][1] > spike.threshold > max(loss for _, loss in losses[150:155])
+
+
+def test_each_log_window_is_judged_against_the_steps_before_it():
+    """One threshold per log point: a window's own losses do not move it (a rise inside one window is
+    judged against the window before)."""
+    base = [(i, 1.0 + 0.002 * i) for i in range(40)]  # 1.0 .. 1.078
+    rising = [(40 + i, 1.0 + 0.05 * i) for i in range(10)]  # 1.0 .. 1.45 within one window
+    detector = SpikeDetector(6.0, 100)
+    detector.first_spike(base, accept=True)
+    before = detector.limit()
+    found = detector.first_spike(rising, accept=True)
+    first_above = next(step for step, loss in rising if loss > before)
+    assert (found.step, found.threshold) == (first_above + 1, before)
 
 
 def test_no_step_is_judged_before_the_history_is_long_enough():
-    losses = [(i, 1.0) for i in range(MIN_HISTORY - 1)] + [(MIN_HISTORY - 1, 1e6), (MIN_HISTORY, 1e6)]
-    spike = SpikeDetector(6.0, 100).first_spike(losses, accept=True)
-    assert spike.step == MIN_HISTORY + 1  # the first 1e6 filled the history; the second is judged
+    detector = SpikeDetector(6.0, 100)
+    assert detector.first_spike([(i, 1.0) for i in range(MIN_HISTORY - 1)], accept=True) is None
+    assert detector.first_spike([(MIN_HISTORY - 1, 1e6)], accept=True) is None  # 19 known: not judged
+    assert detector.first_spike([(MIN_HISTORY, 1e6)], accept=True).step == MIN_HISTORY + 1
+
+
+def after(history: list[tuple[int, float]], candidate: float) -> Spike | None:
+    detector = SpikeDetector(6.0, 100)
+    detector.first_spike(history, accept=True)
+    return detector.first_spike([(len(history), candidate)], accept=True)
 
 
 def test_a_flat_loss_keeps_a_one_percent_floor_and_negative_losses_are_judged_as_they_are():
     flat = [(i, 2.0) for i in range(MIN_HISTORY)]
-    assert SpikeDetector(6.0, 100).first_spike([*flat, (20, 2.0 * 1.05)], accept=True) is None
-    assert SpikeDetector(6.0, 100).first_spike([*flat, (20, 2.0 * 1.07)], accept=True).step == 21
+    assert after(flat, 2.0 * 1.05) is None
+    assert after(flat, 2.0 * 1.07).step == 21
     negative = [(i, -1.0 + 0.01 * (i % 3)) for i in range(MIN_HISTORY)]
-    assert SpikeDetector(6.0, 100).first_spike([*negative, (20, -0.5)], accept=True).step == 21
-    assert SpikeDetector(6.0, 100).first_spike([*negative, (20, -0.95)], accept=True) is None
+    assert after(negative, -0.5).step == 21
+    assert after(negative, -0.95) is None
 
 
 def test_a_non_finite_loss_is_a_spike_and_what_follows_a_spike_joins_only_when_accepted():
@@ -87,8 +115,8 @@ def test_a_noisy_loss_is_judged_on_its_logarithm():
     noisy = torch.exp(0.5 * torch.randn(200, generator=gen, dtype=torch.float64))
     history = [(i, float(v)) for i, v in enumerate(noisy)]
     median = float(noisy.median())
-    assert SpikeDetector(6.0, 200).first_spike([*history, (200, 4.5 * median)], accept=True) is None
-    assert SpikeDetector(6.0, 200).first_spike([*history, (200, 40 * median)], accept=True).step == 201
+    assert after(history[-100:], 4.5 * median) is None
+    assert after(history[-100:], 40 * median).step == 101
 
 
 def test_the_history_is_the_last_window_steps():

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
+import numpy as np
 import torch
 
 # Entries a new window has room for; the buffers double when a window holds more
@@ -130,12 +131,13 @@ class LossTracker:
         if all_reduce_sum is not None:
             both = all_reduce_sum(both)
         sums, weights = both.cpu()  # the one host sync
-        bounds = pairwise([*(start for _, start in self._step_starts), self._size])
-        per_step = [float(sums[a:b].sum() / weights[a:b].sum().clamp(min=1)) for a, b in bounds]
+        last = torch.arange(self._size) >= self._step_starts[-1][1]
+        starts = [start for _, start in self._step_starts]
+        per_step = np.add.reduceat(sums.numpy(), starts) / np.add.reduceat(weights.numpy(), starts).clip(1)
         window = LossWindow(
             mean_loss=float(sums.sum() / weights.sum().clamp(min=1)),
-            last_step_loss=per_step[-1],
-            step_losses=tuple(zip((step for step, _ in self._step_starts), per_step, strict=True)),
+            last_step_loss=float(sums[last].sum() / weights[last].sum().clamp(min=1)),
+            step_losses=tuple(zip((step for step, _ in self._step_starts), per_step.tolist(), strict=True)),
         )
         self.clear()
         return window
