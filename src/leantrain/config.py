@@ -229,6 +229,13 @@ class TrainConfig:
     pipeline_schedule: PipelineSchedule = _field(
         "1f1b", "parallel", "with pipeline: 1f1b (fewer activations alive) or gpipe (all forwards first)"
     )
+    tp: int = _field(
+        1,
+        "parallel",
+        "tensor-parallel degree: each planned layer's matrices split over this many consecutive ranks "
+        "(the plan: task.tp_plan(model), a transformers model's own, or the example's); ddp or fsdp "
+        "over the rest (--strategy fsdp --tp 2 on 4 processes is 2D); 1: off",
+    )
     shard_blocks: str | None = _field(
         None,
         "parallel",
@@ -555,6 +562,7 @@ _VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "reference_batch_size": (_positive, "must be a positive integer"),
     "pack_length": (_positive, "must be a positive number of tokens"),
     "pipeline_stages": (lambda v: v >= 2, "must be 2 or more"),
+    "tp": (lambda v: 1 <= v <= 1024, "must be 1 (off) or a number of processes up to 1024"),
     "lr_warmup_steps": (
         lambda v: v >= 0 and (isinstance(v, int) or v < 1),
         "must be a number of steps (0 or more) or a fraction of the run's steps below 1 (0.1)",

@@ -113,11 +113,11 @@ def worker_pids(launcher: int) -> dict[int, int]:
     return found
 
 
-def run_with_one_kill(fit_arguments: list[str], kill_after: str) -> str:
-    """``launch --nproc-per-node 2 --max-restarts 1 fit ...``, SIGKILL rank 1 once a line of the run
-    starts with ``kill_after``; the group restarts and the run must end well. Returns its stdout."""
+def run_with_one_kill(fit_arguments: list[str], kill_after: str, processes: int = 2) -> str:
+    """``launch --nproc-per-node PROCESSES --max-restarts 1 fit ...``, SIGKILL rank 1 once a line of
+    the run starts with ``kill_after``; the group restarts and the run must end well. Returns its stdout."""
     launcher = subprocess.Popen(
-        [LEANTRAIN, "launch", "--nproc-per-node", "2", "--max-restarts", "1", *fit_arguments],
+        [LEANTRAIN, "launch", "--nproc-per-node", str(processes), "--max-restarts", "1", *fit_arguments],
         cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert launcher.stdout is not None

@@ -284,3 +284,32 @@ def tiny_llama_lora_float64() -> TinyLlamaLoRA:
 def planted_spikes() -> PlantedSpikes:
     """Bad samples in the global batches of steps 27 and 44 (see tests/test_spikes.py)."""
     return PlantedSpikes.at_steps([27, 44])
+
+
+class TinyLlama64:
+    """transformers' LlamaForCausalLM (2 layers, width 32, 4 heads, 2 key/value heads) in float64,
+    on the pydoc text's bytes: a model whose tensor-parallel plan is transformers' own."""
+
+    def __init__(self) -> None:
+        from leantrain.examples.hf_lm import HFCausalLMTask
+
+        self.lm = HFCausalLMTask("llama", block=16, layers=2, heads=4, width=32, max_chars=4000)
+
+    def model(self) -> torch.nn.Module:
+        return self.lm.model().double()
+
+    def train_data(self):
+        return self.lm.train_data()
+
+    def val_data(self):
+        return self.lm.val_data()
+
+    def loss(self, model, batch):
+        return self.lm.loss(model, batch)
+
+    def optimizer(self, params):
+        return self.lm.optimizer(params)
+
+
+def tiny_llama_float64() -> TinyLlama64:
+    return TinyLlama64()

@@ -173,6 +173,7 @@ FROZEN_FIT_FLAGS = {
     "--device-map",
     "--pipeline-stages",
     "--pipeline-schedule",
+    "--tp",
     "--seed",
     "--deterministic",
     "--out-dir",

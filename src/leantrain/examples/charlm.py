@@ -97,9 +97,11 @@ class Block(nn.Module):
 
     def __init__(self, width: int, heads: int, dropout: float) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.head_width = heads, width // heads
         self.dropout = dropout
         self.norm1 = nn.LayerNorm(width)
+        # Each head's query, key and value rows side by side: a split of the rows by rank (--tp)
+        # then holds whole heads.
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
         self.norm2 = nn.LayerNorm(width)
@@ -107,15 +109,16 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
-        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        batch, length, _ = x.shape
+        # -1: the heads this process computes (all of them, or its share under --tp)
+        qkv = self.qkv(self.norm1(x)).view(batch, length, -1, 3, self.head_width)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))
         dropout = self.dropout if self.training else 0.0
         if document_ids is None:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         else:  # a packed row: each document attends only to itself
             attended = document_attention(q, k, v, document_ids, dropout)
-        x = x + self.drop(self.proj(attended.transpose(1, 2).reshape(batch, length, width)))
+        x = x + self.drop(self.proj(attended.transpose(1, 2).flatten(2)))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -204,3 +207,15 @@ class CharLMTask:
 
     def optimizer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.01)
+
+    def tp_plan(self, model: nn.Module) -> dict[str, str]:
+        """How ``--tp`` splits CharGPT: in each block, attention's qkv and the MLP's first layer by
+        output (each rank computes its heads and its hidden units), the layers after them by input
+        (one all-reduce per half-block). The tied embedding and head stay whole: a vocabulary of
+        ~100 characters is little to split, and rarely divides."""
+        return {
+            "blocks.*.qkv": "colwise",
+            "blocks.*.proj": "rowwise",
+            "blocks.*.mlp.0": "colwise",
+            "blocks.*.mlp.2": "rowwise",
+        }

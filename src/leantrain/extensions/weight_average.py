@@ -20,6 +20,7 @@ import torch
 
 from leantrain.errors import CheckpointError
 from leantrain.memory.accountant import averaged_dtype
+from leantrain.step.local_values import local_values
 from leantrain.step.precision import Precision
 
 
@@ -59,7 +60,7 @@ class WeightAverage:
     def on_step(self, stats: Any) -> None:  # a run.hooks.StepStats (a layer above this one)
         if stats.stepped:
             with torch.no_grad():  # one fused kernel over every parameter
-                torch._foreach_lerp_(self.average, self.params, self.weight)
+                torch._foreach_lerp_(local_values(self.average), local_values(self.params), self.weight)
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:

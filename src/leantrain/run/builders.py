@@ -111,7 +111,8 @@ def build_model_part(
     if ctx.env.distributed:
         # Every rank drew the same initial weights above (DDP also broadcasts rank 0's).
         # From here on each rank draws its own numbers: dropout masks must differ by rank.
-        seed_everything(derived_seed(ctx.cfg.seed, ctx.env.rank))
+        # The ranks of a tensor-parallel group share theirs (``ParallelDims.seed_rank``).
+        seed_everything(derived_seed(ctx.cfg.seed, ctx.dims.seed_rank(ctx.env.rank)))
     batch_norms = batch_norm_layers(prepared.model)  # as wrapped: --sync-batchnorm converts them in place
     return ModelPart(
         built, prepared.frozen, prepared.precision, prepared.prepared, prepared.recompute,
@@ -142,7 +143,12 @@ def example_of(task: Any, dataset: Any, split: BatchSplit, device: torch.device)
         items = first_items(dataset, split.micro_batch_size)
         return move_to_device(collate(items, range(len(items)), "train_data"), device)
 
-    return Example(task.loss, first_batch)
+    plan = getattr(task, "tp_plan", None)
+
+    def tp_plan(model: nn.Module) -> Any:
+        return call_task("task.tp_plan(model)", plan, model)
+
+    return Example(task.loss, first_batch, tp_plan if callable(plan) else None)
 
 
 def build_optimization(ctx: RunContext, model: ModelPart, total_steps: int) -> Optimization:

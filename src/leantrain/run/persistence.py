@@ -229,7 +229,7 @@ class Persistence:
         self.progress.load(state["progress"])
         return Resumed(
             step=min(state["step"], total_steps),
-            rng=rng_of_rank(state, env, cfg.seed),
+            rng=rng_of_rank(state, env, cfg.seed, self.ctx.dims.seed_rank(env.rank)),
             callbacks=state.get("callbacks", {}),
             callbacks_in_shards=state.get("callbacks_in_shards", []),
             shards=shards,

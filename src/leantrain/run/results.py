@@ -39,6 +39,7 @@ class FitResult:
     device: str
     num_workers: int = 0  # the DataLoader workers used (as resolved from auto / tune)
     compute_threads: int = 1  # torch's intra-op threads in training (lowered beside workers on CPU)
+    tensor_parallel: int = 1  # --tp: ranks per tensor-parallel group; world_size / it are data-parallel
     skipped_steps: int = 0  # steps without an update: fp16 overflows and, with on_nan=skip, non-finite ones
     nonfinite_steps: int = 0  # of those, the steps whose loss or gradient was NaN/inf
     nan_origin: str | None = None  # where the first non-finite value came from (a module, the loss)
@@ -103,6 +104,7 @@ def fit_result(
         device=str(ctx.device),
         num_workers=data.num_workers,
         compute_threads=torch.get_num_threads(),
+        tensor_parallel=ctx.dims.tp,
         skipped_steps=int(progress.skipped_steps),
         nonfinite_steps=int(progress.nonfinite_steps),
         nan_origin=progress.nan_origin,

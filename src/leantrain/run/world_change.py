@@ -33,12 +33,13 @@ def saved_world_size(state: dict[str, Any]) -> int:
     return len(state["rng"])
 
 
-def rng_of_rank(state: dict[str, Any], env: ClusterEnv, seed: int) -> dict[str, Any]:
-    """The generator states this rank resumes with: its own, or re-derived (see above)."""
+def rng_of_rank(state: dict[str, Any], env: ClusterEnv, seed: int, seed_rank: int) -> dict[str, Any]:
+    """The generator states this rank resumes with: its own, or re-derived (see above) from its
+    ``seed_rank`` (``ParallelDims.seed_rank``: shared by a tensor-parallel group)."""
     if saved_world_size(state) == env.world_size:
         return state["rng"][env.rank]
     current = capture_rng()
-    seed_everything(derived_seed(seed, env.rank, state["step"]))
+    seed_everything(derived_seed(seed, seed_rank, state["step"]))
     derived = capture_rng()
     restore_rng(current)  # set-up goes on with the generators it had; the derived ones come last
     return derived

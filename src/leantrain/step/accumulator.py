@@ -26,6 +26,7 @@ from torch import nn
 
 from leantrain.errors import LeantrainError, TaskError
 from leantrain.step.batching import BatchSplit
+from leantrain.step.local_values import local_values
 from leantrain.step.losses import LossTracker
 from leantrain.step.precision import GradReport, Precision
 from leantrain.task import LossSum, describe_batch, note_task_error
@@ -303,7 +304,7 @@ class Accumulator:
             factor = self.split.world_size / count.clamp(min=1)
             if is_sum is None:  # only the reduced flag says whether the loss was a sum
                 factor = torch.where(summed_is_sum > 0, factor, 1.0)
-            torch._foreach_mul_(grads, factor.to(grads[0].device, grads[0].dtype))
+            torch._foreach_mul_(local_values(grads), factor.to(grads[0].device, grads[0].dtype))
         return total
 
     def _check_finite(self, total: torch.Tensor, report: GradReport) -> StepStatus:

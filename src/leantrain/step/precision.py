@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from leantrain.adapters import trained_parameters
+from leantrain.step.local_values import local_values
 from leantrain.step.loss_scaler import DynamicLossScaler
 
 GradNorm = Callable[[list[torch.Tensor]], torch.Tensor]
@@ -246,11 +247,20 @@ def _clip(params: list[torch.Tensor], max_norm: float | None, grad_norm: GradNor
     if max_norm is None:
         return None
     # The norm stays a device tensor: no host sync.
-    norm = grad_norm([p.grad for p in params if p.grad is not None])
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = grad_norm(grads)
     # Sharded parameters (FSDP) give a replicated DTensor: every rank holds the total.
     full_tensor = getattr(norm, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else norm
+    norm = full_tensor() if full_tensor is not None else norm
+    # torch's clip_grads_with_norm_, on each rank's own values: its foreach kernels refuse a mix of
+    # DTensors (of different meshes) and whole tensors, which tensor parallelism holds.
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for local in local_values(grads):
+        groups.setdefault((local.device, local.dtype), []).append(local)
+    for (device, _), tensors in groups.items():
+        torch._foreach_mul_(tensors, scale.to(device))
+    return norm
 
 
 def make_precision(name: str, device: torch.device) -> Precision:

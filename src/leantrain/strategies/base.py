@@ -32,11 +32,13 @@ from leantrain.strategies.dims import ParallelDims
 
 
 class Example(NamedTuple):
-    """What a strategy that traces the model needs (a pipeline): the task's loss, and a function
-    that returns one micro-batch on the device (called only when needed: it loads data)."""
+    """What a strategy may need of the task: the loss and a function that returns one micro-batch
+    on the device (called only when needed: it loads data), for a strategy that traces the model
+    (a pipeline); the task's ``tp_plan(model)``, if it has one, for tensor parallelism."""
 
     loss_fn: LossFn
     batch: Callable[[], Any]
+    tp_plan: Callable[[nn.Module], Any] | None = None
 
 
 class Caveat(NamedTuple):
@@ -71,8 +73,14 @@ class Strategy:
 
     @classmethod
     def dims(cls, cfg: TrainConfig, world_size: int) -> ParallelDims:
-        """How the processes are arranged: every one a data-parallel rank."""
-        return ParallelDims(dp=world_size)
+        """How the processes are arranged: data-parallel ranks (groups of ``--tp`` ranks, with it)."""
+        return ParallelDims.of(world_size, tp=cfg.tp)
+
+    @classmethod
+    def with_tensor_parallel(cls) -> type[Strategy] | None:
+        """The class that runs this strategy with ``--tp`` above 1 (see ``tensor_parallel.py``);
+        None: this strategy has no tensor parallelism."""
+        return None
 
     @classmethod
     def input_device(cls, cfg: TrainConfig, device: torch.device) -> torch.device:

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from leantrain.strategies.base import Example
+from leantrain.strategies.base import Example, Strategy
 from leantrain.strategies.process_group import Collectives
 from leantrain.strategies.sync_batch_norm import SyncsBatchNorm
+from leantrain.strategies.tensor_parallel import TensorParallel, average_over_data
 
 
 class Distributed(SyncsBatchNorm, Collectives):
@@ -51,3 +53,33 @@ class Distributed(SyncsBatchNorm, Collectives):
         # Gradients of non-final micro-batches only accumulate locally; the all-reduce
         # runs once, during the final micro-batch's backward.
         return self.module.no_sync()  # type: ignore[operator]
+
+    @classmethod
+    def with_tensor_parallel(cls) -> type[Strategy]:
+        return DistributedTensorParallel
+
+
+class DistributedTensorParallel(TensorParallel, Distributed):
+    """ddp with ``--tp``: the plan splits the model over each group; the groups are replicas.
+
+    DDP's wrapper cannot hold DTensor parameters, so none is made: after the micro-batches'
+    backward, every rank's gradient values (its shards) are averaged over its data-parallel
+    group in one flat all-reduce per dtype. It does not overlap backward as DDP's buckets do.
+    """
+
+    def wrap(self, model: nn.Module, example: Example | None) -> None:
+        self.model = self.module = self.apply_plan(self.with_synced_batch_norm(model), example)
+
+    def reset_after_out_of_memory(self) -> None:
+        """No wrapper: nothing waits on the abandoned step."""
+
+    def register_comm_hook(self, hook: Callable[..., Any]) -> None:
+        """No DDP buckets to hook: the all-reduce runs in ``finish_gradients``."""
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        return nullcontext()  # the gradients are reduced once, after the last micro-batch
+
+    def finish_gradients(self, params: list[torch.Tensor]) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.dims.dp > 1 and grads:
+            average_over_data(grads, self.data_group, self.dims.dp)

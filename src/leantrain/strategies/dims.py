@@ -1,12 +1,16 @@
 """``ParallelDims``: how the processes of a run are arranged, the one source of truth for ranks.
 
-``dp x pp = world``: ``pp`` consecutive ranks form one pipeline (its stages), and ``dp``
-such pipelines train on different shares of the global batch. Without a pipeline,
-``pp = 1`` and every rank is a data-parallel rank. The global batch is split over the
-``dp`` ranks only: the stages of one pipeline load the same samples.
+``dp x pp x tp = world``, with at most one of ``pp`` and ``tp`` above 1:
 
-Rank ``r`` is stage ``r % pp`` of pipeline ``r // pp``; as a 2-D ``DeviceMesh`` with the
-dimensions ``("dp", "pp")``, its rows are pipelines and its columns data-parallel groups.
+- ``pp`` consecutive ranks form one pipeline (its stages);
+- ``tp`` consecutive ranks form one tensor-parallel group (each holds a share of every planned
+  layer's matrices; consecutive, so that a group sits inside one node, where bandwidth is);
+- ``dp`` such groups train on different shares of the global batch. The global batch is split
+  over the ``dp`` ranks only: the ranks of one pipeline or tensor-parallel group load the same
+  samples. Without either, every rank is a data-parallel rank.
+
+As a 2-D ``DeviceMesh``, ``("dp", "pp")`` or ``("dp", "tp")``: its rows are the groups, its
+columns the data-parallel groups.
 """
 
 from __future__ import annotations
@@ -24,42 +28,52 @@ from leantrain.errors import ConfigError
 class ParallelDims:
     dp: int = 1
     pp: int = 1
+    tp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp
+        return self.dp * self.pp * self.tp
+
+    @property
+    def group_size(self) -> int:
+        """Consecutive ranks that load the same samples (a pipeline, or a tensor-parallel group)."""
+        return self.pp * self.tp
 
     @classmethod
-    def of(cls, world_size: int, pipeline_stages: int | None) -> ParallelDims:
-        """The dims of a run of ``world_size`` processes; a ConfigError when the stages do not fit."""
+    def of(cls, world_size: int, pipeline_stages: int | None = None, tp: int = 1) -> ParallelDims:
+        """The dims of a run of ``world_size`` processes; a ConfigError when the groups do not fit."""
         pp = pipeline_stages or 1
-        if world_size % pp:
-            raise ConfigError(
-                "pipeline_stages",
-                pp,
-                f"must divide the number of processes {world_size}",
-            )
-        return cls(dp=world_size // pp, pp=pp)
+        for field, size in (("pipeline_stages", pp), ("tp", tp)):
+            if world_size % size:
+                raise ConfigError(field, size, f"must divide the number of processes {world_size}")
+        return cls(dp=world_size // (pp * tp), pp=pp, tp=tp)
 
     def stage(self, rank: int) -> int:
         return rank % self.pp
 
-    def pipeline(self, rank: int) -> int:
-        """The data-parallel rank: which pipeline (which share of the global batch) ``rank`` is in."""
-        return rank // self.pp
+    def data_rank(self, rank: int) -> int:
+        """Which share of the global batch ``rank`` trains on (its pipeline, or its tensor-parallel group)."""
+        return rank // self.group_size
+
+    def seed_rank(self, rank: int) -> int:
+        """Whose random numbers ``rank`` draws: its own, but the same for a tensor-parallel group
+        (its ranks compute the replicated activations alike: their dropout masks must agree)."""
+        return rank // self.tp
 
     def data_env(self, env: ClusterEnv) -> ClusterEnv:
         """``env`` as the data pipeline sees it: ranks are data-parallel ranks."""
-        if self.pp == 1:
+        if self.group_size == 1:
             return env
         return dataclasses.replace(
             env,
-            rank=self.pipeline(env.rank),
+            rank=self.data_rank(env.rank),
             world_size=self.dp,
-            local_world_size=max(1, env.local_world_size // self.pp),
+            local_world_size=max(1, env.local_world_size // self.group_size),
         )
 
     def mesh(self, device_type: str) -> torch.distributed.DeviceMesh:
+        """``("dp", "pp")`` with a pipeline, else ``("dp", "tp")``."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
+        inner = ("pp", self.pp) if self.pp > 1 else ("tp", self.tp)
+        return init_device_mesh(device_type, (self.dp, inner[1]), mesh_dim_names=("dp", inner[0]))

@@ -34,11 +34,11 @@ from torch import nn
 from leantrain.adapters import trained_parameters
 from leantrain.blocks import BlockPolicy, block_classes, matching_blocks
 from leantrain.config import TrainConfig
-from leantrain.step.precision import Precision
-from leantrain.strategies.base import Example
+from leantrain.strategies.base import Example, Strategy
 from leantrain.strategies.process_group import Collectives
 from leantrain.strategies.sharded_state import ShardedState
 from leantrain.strategies.sync_batch_norm import SyncsBatchNorm
+from leantrain.strategies.tensor_parallel import TensorParallel
 
 
 def shard_units(model: nn.Module, shard_blocks: str | None) -> list[tuple[str, nn.Module]]:
@@ -64,10 +64,9 @@ class FullyShard(ShardedState, SyncsBatchNorm, Collectives):
 
     def wrap(self, model: nn.Module, example: Example | None) -> None:
         # torch.distributed.fsdp takes most of a second to import: only when used.
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(self.device.type, (torch.distributed.get_world_size(),))
+        mesh = self.shard_mesh()
         if self.cfg.precision == "bf16-mixed":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
@@ -79,6 +78,16 @@ class FullyShard(ShardedState, SyncsBatchNorm, Collectives):
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)  # the module itself becomes an FSDPModule
         self.model = self.module = model
+
+    def shard_mesh(self) -> Any:
+        """The mesh the parameters are sharded over: every process."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.device.type, (torch.distributed.get_world_size(),))
+
+    @classmethod
+    def with_tensor_parallel(cls) -> type[Strategy]:
+        return FullyShardTensorParallel
 
     @contextmanager
     def _without_gradient_sync(self) -> Iterator[None]:
@@ -95,13 +104,13 @@ class FullyShard(ShardedState, SyncsBatchNorm, Collectives):
         # fully_shard replaced every parameter by a sharded one: the optimizer takes those.
         return trained_parameters(self.model)
 
-    def trained_weights(
-        self, precision: Precision, frozen: frozenset[str] = frozenset()
-    ) -> dict[str, torch.Tensor]:
-        """The full weights, gathered on rank 0 (a collective: every rank calls it; others get {});
-        ``frozen``: names left out, and never gathered (an adapter model's base)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=bool(frozen))
-        weights = get_model_state_dict(self.model, options=options)
-        return {name: value for name, value in weights.items() if name not in frozen}
+class FullyShardTensorParallel(TensorParallel, FullyShard):
+    """fsdp with ``--tp``: the plan first, then FSDP over the data-parallel dimension of the mesh
+    (2D: each rank holds 1/dp of its tensor-parallel shard)."""
+
+    def wrap(self, model: nn.Module, example: Example | None) -> None:
+        super().wrap(self.apply_plan(model, example), example)
+
+    def shard_mesh(self) -> Any:
+        return self.mesh["dp"]

@@ -32,8 +32,10 @@ def strategies() -> dict[str, type[Strategy]]:
     while pending:
         cls = pending.pop()
         pending.extend(cls.__subclasses__())
-        # Only the package's own modules, as they are loaded now (not an unloaded module's class).
-        if cls.name and cls.__module__.startswith(package.__name__ + ".") and cls.__module__ in sys.modules:
+        # Only the package's own modules, as they are loaded now (not an unloaded module's class),
+        # and a class that names itself (not a variant inheriting its strategy's: with_tensor_parallel).
+        own = cls.__module__.startswith(package.__name__ + ".") and cls.__module__ in sys.modules
+        if "name" in vars(cls) and cls.name and own:
             found[cls.name] = cls
     return dict(sorted(found.items()))
 
@@ -63,7 +65,7 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> type[Strate
         _check_fields(cfg, None)
         check_sync_batch_norm(cfg, None)
         return strategy_class(AUTO, 1)
-    cls = strategy_class(cfg.strategy, world_size)
+    cls = _with_layout(cfg, strategy_class(cfg.strategy, world_size))
     _check_fields(cfg, cls)
     check_sync_batch_norm(cfg, cls)
     if cls.precisions is not None and cfg.precision not in cls.precisions:
@@ -80,6 +82,20 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> type[Strate
         _check_processes(cls, world_size)
         cfg.validate(cls.dims(cfg, world_size).dp)
     return cls
+
+
+def _with_layout(cfg: TrainConfig, cls: type[Strategy]) -> type[Strategy]:
+    """The class that runs ``cls`` in ``cfg``'s layout: its tensor-parallel variant with ``--tp``."""
+    if cfg.tp == 1:
+        return cls
+    variant = cls.with_tensor_parallel()
+    if variant is None:
+        having = [name for name, other in strategies().items() if other.with_tensor_parallel() is not None]
+        rule = f"strategy {cls.name} has no tensor parallelism; use {' or '.join(having)}"
+        if not cls.multi_process:
+            rule = f"needs {cfg.tp} processes or more: `leantrain launch --nproc-per-node {cfg.tp} fit ...`"
+        raise ConfigError("tp", cfg.tp, rule)
+    return variant
 
 
 def _check_fields(cfg: TrainConfig, chosen: type[Strategy] | None) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 from leantrain.checkpoint import check_shards
 from leantrain.errors import CheckpointError
 from leantrain.remote import dcp_storage
+from leantrain.step.precision import Precision
 
 
 def _options(frozen: frozenset[str]) -> Any:
@@ -57,6 +58,17 @@ class ShardedState:
     @property
     def state_module(self) -> nn.Module:
         return self.model  # type: ignore[attr-defined]
+
+    def trained_weights(
+        self, precision: Precision, frozen: frozenset[str] = frozenset()
+    ) -> dict[str, torch.Tensor]:
+        """The full weights, gathered on rank 0 (a collective: every rank calls it; others get {});
+        ``frozen``: names left out, and never gathered (an adapter model's base)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=bool(frozen))
+        weights = get_model_state_dict(self.state_module, options=options)
+        return {name: value for name, value in weights.items() if name not in frozen}
 
     def save_sharded(
         self,

@@ -120,7 +120,7 @@ class Pipeline(ShardedState, Collectives):
             for name in names[1:]:
                 mine.pop(name, None)
         merged: dict[str, torch.Tensor] = {}
-        for part in self.gather(mine if self.dims.pipeline(dist.get_rank()) == 0 else {}):
+        for part in self.gather(mine if self.dims.data_rank(dist.get_rank()) == 0 else {}):
             merged.update(part)
         return merged if dist.get_rank() == 0 else {}
 

@@ -1,0 +1,150 @@
+"""``--tp N``: tensor parallelism, each planned layer's matrices split over ``N`` consecutive ranks.
+
+The processes form a ``("dp", "tp")`` mesh (``ParallelDims``): the ranks of a tensor-parallel
+group hold a share of every planned matrix (a ``DTensor``, see ``tp_plan.py``) and load the
+same samples; the groups side by side are data-parallel. ``ddp`` and ``fsdp`` run with it
+through the variants their modules define (``with_tensor_parallel``), which share this part:
+
+- the plan, applied before anything wraps the model; weights tied before it (an embedding and
+  its head) are tied again after, when the plan splits them alike;
+- the sums the run reduces (losses, counts) over the data-parallel group only: a group's ranks
+  hold the same values, counted once;
+- the gradient's norm over every kind of tensor the ranks hold: a rank's squares divided by the
+  number of ranks that hold the same values, summed over the world (exact in float64);
+- checkpoints through DCP (``ShardedState``): each rank's shards; resumed on the same layout or
+  resharded onto another (one process, fsdp alone).
+
+What is not planned stays whole on every rank of a group; it computes alike on each, and its
+gradient is alike too (DTensor reduces the gradient of a replicated input).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from leantrain.adapters import trained_parameters
+from leantrain.checkpoint import tied_aliases
+from leantrain.config import TrainConfig
+from leantrain.errors import ConfigError
+from leantrain.step.local_values import local_values
+from leantrain.strategies.base import Example
+from leantrain.strategies.process_group import Collectives
+from leantrain.strategies.sharded_state import ShardedState
+from leantrain.strategies.tp_plan import parallel_styles, plan_of, planned_modules
+
+
+class TensorParallel(ShardedState, Collectives):
+    """The part of a strategy's tensor-parallel variant that every variant shares (no name of its own)."""
+
+    precision_reason = "with --tp: fp32 parameters, computed in bf16 with bf16-mixed"
+    mesh: Any = None  # the ("dp", "tp") DeviceMesh, made by ``apply_plan``
+
+    @classmethod
+    def check(cls, cfg: TrainConfig, world_size: int | None) -> None:
+        if cfg.lora_rank is not None:
+            # peft wraps the planned Linears in modules of its own, which no plan names.
+            rule = "not with --lora-rank: adapters train a small share of the model; use ddp or fsdp"
+            raise ConfigError("tp", cfg.tp, rule)
+        super().check(cfg, world_size)
+
+    def apply_plan(self, model: nn.Module, example: Example | None) -> nn.Module:
+        """Split ``model``'s planned layers over this rank's tensor-parallel group, in place."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        # torch warns once per rank, when the final weights are gathered from 2D shards, that it
+        # gathers each dimension in turn: a one-off cost at the end, not the user's to act on.
+        logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_SEQUENTIAL_GATHERS_QUIET)
+
+        tp = self.dims.tp
+        task_plan = example.tp_plan(model) if example is not None and example.tp_plan is not None else None
+        plan, source = plan_of(model, task_plan, tp)
+        chosen = planned_modules(model, plan, tp)
+        parameters = dict(model.named_parameters(remove_duplicate=False))
+        tied = {alias: first for alias, first in tied_aliases(model).items() if alias in parameters}
+        self.mesh = self.dims.mesh(self.device.type)
+        parallelize_module(model, self.mesh["tp"], parallel_styles(model, chosen))
+        _tie_again(model, tied, tp)
+        self.notes.append(
+            f"tensor parallel over {tp} ranks x {self.dims.dp} data-parallel: {len(chosen)} modules split "
+            f"({source})"
+        )
+        return model
+
+    def optimizer_params(self, prepared: list[nn.Parameter]) -> list[nn.Parameter]:
+        # The plan replaced each planned parameter by a DTensor: the optimizer takes those.
+        return trained_parameters(self.model)
+
+    @property
+    def data_group(self) -> dist.ProcessGroup:
+        return self.mesh["dp"].get_group()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.data_group)
+        return tensor
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        squares = torch.zeros((), dtype=torch.float64, device=self.comm_device)
+        world = dist.get_world_size()
+        for grad in grads:
+            local, holders = _local_and_holders(grad, world)
+            squares += local.double().pow(2).sum().to(self.comm_device) / holders
+        dist.all_reduce(squares)
+        return squares.sqrt()
+
+
+class _NotSequentialGathers(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential all_gather" not in record.getMessage()
+
+
+_SEQUENTIAL_GATHERS_QUIET = _NotSequentialGathers()  # one filter, however many runs a process makes
+
+
+def _local_and_holders(tensor: torch.Tensor, world: int) -> tuple[torch.Tensor, int]:
+    """This rank's values of ``tensor`` and how many ranks of the world hold the same values."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor, world  # whole on every rank
+    mesh = tensor.device_mesh
+    holders = world // mesh.size()  # ranks outside its mesh hold copies of it
+    for dim, placement in enumerate(tensor.placements):
+        if placement.is_replicate():
+            holders *= mesh.size(dim)
+    return tensor.to_local(), holders
+
+
+def _tie_again(model: nn.Module, tied: dict[str, str], tp: int) -> None:
+    """Tie the weights that were tied before the plan (alias -> first name): the plan gives each
+    module a parameter of its own."""
+    for name, first in tied.items():
+        kept = model.get_parameter(first)
+        if getattr(model.get_parameter(name), "placements", None) != getattr(kept, "placements", None):
+            raise ConfigError(
+                "tp",
+                tp,
+                f"the plan splits the tied weights {first} and {name} differently; plan them alike, "
+                "or untie them in task.model()",
+            )
+        owner, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(owner), attribute, kept)
+
+
+def average_over_data(grads: list[torch.Tensor], group: dist.ProcessGroup, size: int) -> None:
+    """Replace each gradient's local values by their mean over the data-parallel ``group``: one flat
+    all-reduce per dtype."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for local in local_values(grads):
+        by_dtype.setdefault(local.dtype, []).append(local)
+    for locals_ in by_dtype.values():
+        flat = _flatten_dense_tensors(locals_)
+        dist.all_reduce(flat, group=group)
+        flat /= size
+        torch._foreach_copy_(locals_, list(_unflatten_dense_tensors(flat, locals_)))

@@ -1,0 +1,77 @@
+"""--tp on real processes (gloo, float64): a tensor-parallel run computes what one process computes,
+alone (2 processes), with ddp replicas and under fsdp (2D, 4 processes), with leantrain's example
+and with a transformers Llama whose plan is transformers' own; its checkpoints resume on the same
+layout after a kill, on one process and on fsdp alone. Accumulation and clipping are on everywhere."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.distributed.conftest import launch_here, run_with_one_kill, trained_weights
+
+# 8 samples a step, micro-batches of 2: 4 (tp alone) or 2 (2D) accumulated micro-batches a step.
+FIT = "fit --global-batch-size 8 --micro-batch-size 2 --max-grad-norm 0.5 --progress plain --logger none"
+FIT = [*FIT.split(), "--log-every-n-steps", "1"]
+TOLERANCE = 1e-10
+
+
+def fit(out, task: str, *flags: str, processes: int = 1) -> dict[str, torch.Tensor]:
+    return trained_weights(out, [*FIT, "--task", f"tests.distributed.tasks:{task}", *flags], processes)
+
+
+def assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(actual) == sorted(expected)  # whole tensors under one process's names
+    for name, tensor in expected.items():
+        assert actual[name].shape == tensor.shape, name
+        assert float((actual[name] - tensor).abs().max()) <= TOLERANCE, name
+
+
+def test_tp_alone_trains_as_one_process_and_its_checkpoint_resumes_on_one_process_and_on_fsdp(tmp_path):
+    """Bugs: the norm over shards counted per rank (clipping off), losses counted once per rank of a
+    group, the optimizer left with the parameters from before the plan, a checkpoint that only the
+    same layout reads."""
+    steps = ["--max-steps", "6", "--checkpoint-every", "3"]
+    one = fit(tmp_path / "one", "tiny_charlm", *steps)
+    two = fit(tmp_path / "tp", "tiny_charlm", *steps, "--tp", "2", processes=2)
+    assert_close(two, one)
+    summary = json.loads((tmp_path / "tp" / "summary.json").read_text())
+    assert summary["tensor_parallel"] == 2 and summary["strategy"] == "ddp"
+    expected_loss = json.loads((tmp_path / "one" / "summary.json").read_text())["final_train_loss"]
+    assert summary["final_train_loss"] == pytest.approx(expected_loss, rel=1e-9)
+    # Each rank holds half of every planned matrix: the run's parameter bytes are below one process's.
+    single = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert summary["params_bytes"] < single["params_bytes"]
+    halfway = str(tmp_path / "tp" / "checkpoints" / "step-00000003.pt")
+    resumed_alone = fit(tmp_path / "alone", "tiny_charlm", *steps, "--resume", halfway)
+    assert_close(resumed_alone, one)
+    resumed = ["--resume", halfway, "--strategy", "fsdp"]
+    on_fsdp = fit(tmp_path / "fsdp", "tiny_charlm", *steps, *resumed, processes=2)
+    assert_close(on_fsdp, one)
+
+
+def test_a_killed_run_of_ddp_replicas_of_tp_groups_resumes_and_ends_as_one_process(tmp_path):
+    """4 processes, 2 replicas of 2-rank tensor-parallel groups: each rank's shard gradients averaged
+    over its replicas (the bug: not averaged, or averaged over the world)."""
+    flags = [*FIT, "--task", "tests.distributed.tasks:tiny_charlm", "--max-steps", "8"]
+    flags += ["--checkpoint-every", "2"]
+    one = fit(tmp_path / "one", "tiny_charlm", "--max-steps", "8")
+    layout = ["--strategy", "ddp", "--tp", "2", "--resume", "auto", "--out", str(tmp_path / "2d")]
+    stdout = run_with_one_kill([*flags, *layout], kill_after="step 5/", processes=4)
+    assert "resumed after step" in stdout
+    assert "tensor parallel over 2 ranks x 2 data-parallel: 8 modules split (task.tp_plan(model))" in stdout
+    assert_close(load_file(tmp_path / "2d" / "model.safetensors"), one)
+
+
+def test_a_transformers_llama_trains_2d_with_its_own_plan_as_one_process(tmp_path):
+    pytest.importorskip("transformers")
+    one = fit(tmp_path / "one", "tiny_llama_float64", "--max-steps", "4")
+    task = ["--task", "tests.distributed.tasks:tiny_llama_float64", "--max-steps", "4"]
+    layout = ["--strategy", "fsdp", "--tp", "2", "--out", str(tmp_path / "2d")]
+    stdout = launch_here("--nproc-per-node", "4", *FIT, *task, *layout).stdout
+    assert "LlamaForCausalLM's own plan (transformers)" in stdout
+    assert "suboptimal" not in stdout  # torch's note on gathering 2D shards, once per rank, is not the user's
+    assert_close(load_file(tmp_path / "2d" / "model.safetensors"), one)
