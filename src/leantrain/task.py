@@ -42,7 +42,9 @@ class Task(Protocol):
     parameter; not with a built-in ``lr_schedule``), ``metrics(model, batch) -> dict[str, Tensor]``
     (means over the batch, computed in evaluation on the validation data), ``augment(batch) ->
     batch`` (random augmentation of a training micro-batch on the device, after loading: it stays
-    random when the data comes from a cache).
+    random when the data comes from a cache), ``tp_plan(model) -> dict[str, str]`` (with ``--tp``:
+    module names, ``*`` for one part of a name, to ``colwise``, ``rowwise`` or ``colwise_rep``; see
+    docs/parallelism.md).
     """
 
     def model(self) -> nn.Module: ...

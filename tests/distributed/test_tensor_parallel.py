@@ -62,16 +62,25 @@ def test_a_killed_run_of_ddp_replicas_of_tp_groups_resumes_and_ends_as_one_proce
     layout = ["--strategy", "ddp", "--tp", "2", "--resume", "auto", "--out", str(tmp_path / "2d")]
     stdout = run_with_one_kill([*flags, *layout], kill_after="step 5/", processes=4)
     assert "resumed after step" in stdout
-    assert "tensor parallel over 2 ranks x 2 data-parallel: 8 modules split (task.tp_plan(model))" in stdout
+    assert "tensor parallel over 2 ranks x 2 data-parallel: 16 modules split (task.tp_plan(model))" in stdout
     assert_close(load_file(tmp_path / "2d" / "model.safetensors"), one)
 
 
-def test_a_transformers_llama_trains_2d_with_its_own_plan_as_one_process(tmp_path):
-    pytest.importorskip("transformers")
-    one = fit(tmp_path / "one", "tiny_llama_float64", "--max-steps", "4")
-    task = ["--task", "tests.distributed.tasks:tiny_llama_float64", "--max-steps", "4"]
+@pytest.mark.parametrize(
+    ("task", "plan"),
+    [
+        # its rowwise biases: whole on the tensor-parallel ranks, sharded by FSDP (the norm counts them so)
+        ("tiny_charlm", "(task.tp_plan(model))"),
+        ("tiny_llama_float64", "(LlamaForCausalLM's own plan (transformers))"),
+    ],
+)
+def test_fsdp_over_tp_groups_trains_as_one_process(tmp_path, task, plan):
+    if task == "tiny_llama_float64":
+        pytest.importorskip("transformers")
+    one = fit(tmp_path / "one", task, "--max-steps", "4")
+    flags = ["--task", f"tests.distributed.tasks:{task}", "--max-steps", "4"]
     layout = ["--strategy", "fsdp", "--tp", "2", "--out", str(tmp_path / "2d")]
-    stdout = launch_here("--nproc-per-node", "4", *FIT, *task, *layout).stdout
-    assert "LlamaForCausalLM's own plan (transformers)" in stdout
+    stdout = launch_here("--nproc-per-node", "4", *FIT, *flags, *layout).stdout
+    assert "tensor parallel over 2 ranks x 2 data-parallel: " in stdout and plan in stdout
     assert "suboptimal" not in stdout  # torch's note on gathering 2D shards, once per rank, is not the user's
     assert_close(load_file(tmp_path / "2d" / "model.safetensors"), one)
