@@ -313,3 +313,52 @@ class TinyLlama64:
 
 def tiny_llama_float64() -> TinyLlama64:
     return TinyLlama64()
+
+
+class HeadScale(torch.nn.Module):
+    """One weight per position of a head, applied to every head of its input (a norm's weight over
+    each head, as Qwen3's q_norm): under --tp, to each rank's own heads."""
+
+    def __init__(self, head_width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, head_width, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.unflatten(-1, (-1, self.weight.numel())) * self.weight).flatten(-2)
+
+
+class HeadScaledRegression:
+    """Linear(4 -> 16) split by output, a HeadScale over its 4 heads of 4, Linear(16 -> 4) split by
+    input, in float64. ``summed``: the plan names the HeadScale replicated_with_grad_allreduce (else
+    it leaves it whole, and each rank of a group holds a part of its gradient)."""
+
+    def __init__(self, summed: bool) -> None:
+        self.summed = summed
+
+    def model(self) -> torch.nn.Module:
+        layers = torch.nn.Linear(4, 16), HeadScale(4), torch.nn.Linear(16, 4)
+        return torch.nn.Sequential(*layers).double()
+
+    def train_data(self):
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 4, generator=generator, dtype=torch.float64)
+        return torch.utils.data.TensorDataset(x, x.flip(1).tanh())
+
+    def loss(self, model, batch):
+        x, y = batch
+        return ((model(x) - y) ** 2).mean()
+
+    def optimizer(self, params):
+        return torch.optim.SGD(params, lr=0.1)
+
+    def tp_plan(self, model):
+        plan = {"0": "colwise", "2": "rowwise"}
+        return {**plan, "1": "replicated_with_grad_allreduce"} if self.summed else plan
+
+
+def head_scaled_summed() -> HeadScaledRegression:
+    return HeadScaledRegression(summed=True)
+
+
+def head_scaled_whole() -> HeadScaledRegression:
+    return HeadScaledRegression(summed=False)

@@ -84,3 +84,19 @@ def test_fsdp_over_tp_groups_trains_as_one_process(tmp_path, task, plan):
     assert "tensor parallel over 2 ranks x 2 data-parallel: " in stdout and plan in stdout
     assert "suboptimal" not in stdout  # torch's note on gathering 2D shards, once per rank, is not the user's
     assert_close(load_file(tmp_path / "2d" / "model.safetensors"), one)
+
+
+def test_a_whole_parameter_on_split_activations_is_summed_when_planned_so_and_refused_when_not(tmp_path):
+    """Bugs (peers shipped both): the parts of such a gradient left unsummed, each rank of a group
+    then drifting apart silently; or the check that names it missing."""
+    one = fit(tmp_path / "one", "head_scaled_summed", "--max-steps", "4")
+    two = fit(tmp_path / "two", "head_scaled_summed", "--max-steps", "4", "--tp", "2", processes=2)
+    assert_close(two, one)
+    arguments = [*FIT, "--task", "tests.distributed.tasks:head_scaled_whole", "--max-steps", "4", "--tp", "2"]
+    with pytest.raises(AssertionError) as failed:
+        launch_here("--nproc-per-node", "2", *arguments, "--out", str(tmp_path / "whole"))
+    assert (
+        "invalid tp=2: 1.weight is whole on every rank but gets a different gradient on each: it works on "
+        "split activations; plan its module replicated_with_grad_allreduce"
+    ) in str(failed.value)
+    assert not (tmp_path / "whole" / "model.safetensors").exists()

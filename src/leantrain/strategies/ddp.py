@@ -80,6 +80,7 @@ class DistributedTensorParallel(TensorParallel, Distributed):
         return nullcontext()  # the gradients are reduced once, after the last micro-batch
 
     def finish_gradients(self, params: list[torch.Tensor]) -> None:
+        super().finish_gradients(params)  # the group's own sums first
         grads = [p.grad for p in params if p.grad is not None]
         if self.dims.dp > 1 and grads:
             average_over_data(grads, self.data_group, self.dims.dp)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from leantrain.adapters import trained_parameters
 from leantrain.checkpoint import tied_aliases
@@ -35,7 +36,7 @@ from leantrain.step.local_values import local_values
 from leantrain.strategies.base import Example
 from leantrain.strategies.process_group import Collectives
 from leantrain.strategies.sharded_state import ShardedState
-from leantrain.strategies.tp_plan import parallel_styles, plan_of, planned_modules
+from leantrain.strategies.tp_plan import STYLES, SUMMED, parallel_styles, plan_of, planned_modules
 
 
 class TensorParallel(ShardedState, Collectives):
@@ -43,6 +44,8 @@ class TensorParallel(ShardedState, Collectives):
 
     precision_reason = "with --tp: fp32 parameters, computed in bf16 with bf16-mixed"
     mesh: Any = None  # the ("dp", "tp") DeviceMesh, made by ``apply_plan``
+    summed: tuple[str, ...] = ()  # modules planned replicated_with_grad_allreduce
+    _agreement_checked = False  # whether the first step's gradients were checked (finish_gradients)
 
     @classmethod
     def check(cls, cfg: TrainConfig, world_size: int | None) -> None:
@@ -69,8 +72,10 @@ class TensorParallel(ShardedState, Collectives):
         self.mesh = self.dims.mesh(self.device.type)
         parallelize_module(model, self.mesh["tp"], parallel_styles(model, chosen))
         _tie_again(model, tied, tp)
+        self.summed = tuple(name for name, style in chosen.items() if style == SUMMED)
+        split = sum(1 for style in chosen.values() if STYLES[style][0])
         self.notes.append(
-            f"tensor parallel over {tp} ranks x {self.dims.dp} data-parallel: {len(chosen)} modules split "
+            f"tensor parallel over {tp} ranks x {self.dims.dp} data-parallel: {split} modules split "
             f"({source})"
         )
         return model
@@ -82,6 +87,20 @@ class TensorParallel(ShardedState, Collectives):
     @property
     def data_group(self) -> dist.ProcessGroup:
         return self.mesh["dp"].get_group()
+
+    def finish_gradients(self, params: list[torch.Tensor]) -> None:
+        """Sum the parts of the gradients of ``replicated_with_grad_allreduce`` modules over the
+        group; at the first step, check that every whole parameter's gradient agrees over it."""
+        group = self.mesh["tp"].get_group()
+        parts = [p.grad for name in self.summed for p in self.model.get_submodule(name).parameters()]
+        parts = local_values(grad for grad in parts if grad is not None)
+        if parts:
+            flat = _flatten_dense_tensors(parts)
+            dist.all_reduce(flat, group=group)
+            torch._foreach_copy_(parts, list(_unflatten_dense_tensors(flat, parts)))
+        if not self._agreement_checked:
+            self._agreement_checked = True
+            _check_whole_gradients_agree(self.model, group, self.comm_device, self.cfg.tp)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.data_group)
@@ -135,11 +154,43 @@ def _tie_again(model: nn.Module, tied: dict[str, str], tp: int) -> None:
         setattr(model.get_submodule(owner), attribute, kept)
 
 
+def _check_whole_gradients_agree(
+    model: nn.Module, group: dist.ProcessGroup, device: torch.device, tp: int
+) -> None:
+    """A ConfigError naming the first parameter left whole by the plan whose gradient differs over
+    the tensor-parallel ``group``: it works on split activations, and each rank holds a part of
+    its gradient (the replicas would drift apart silently)."""
+    whole = [
+        (name, p.grad) for name, p in model.named_parameters() if p.grad is not None and not _split(p.grad)
+    ]
+    if not whole:
+        return
+    local = [grad.to_local() if hasattr(grad, "to_local") else grad for _, grad in whole]
+    sums = torch.stack([torch.stack([g.double().sum(), g.double().abs().sum()]) for g in local]).to(device)
+    highest, lowest = sums.clone(), -sums
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MAX, group=group)
+    spread = (highest + lowest).amax(dim=1)  # max - min over the group, of each statistic
+    scale = highest.abs().amax(dim=1).clamp(min=1e-30)
+    for (name, _), differs in zip(whole, (spread > 1e-6 * scale).tolist(), strict=True):
+        if differs:
+            raise ConfigError(
+                "tp",
+                tp,
+                f"{name} is whole on every rank but gets a different gradient on each: it works on "
+                "split activations; plan its module replicated_with_grad_allreduce (or split it)",
+            )
+
+
+def _split(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is split over the tensor-parallel dimension (a planned parameter)."""
+    names = getattr(getattr(tensor, "device_mesh", None), "mesh_dim_names", None) or ()
+    return "tp" in names
+
+
 def average_over_data(grads: list[torch.Tensor], group: dist.ProcessGroup, size: int) -> None:
     """Replace each gradient's local values by their mean over the data-parallel ``group``: one flat
     all-reduce per dtype."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for local in local_values(grads):
         by_dtype.setdefault(local.dtype, []).append(local)

@@ -12,7 +12,12 @@ A plan maps module names to styles. A name may hold ``*`` for one part of a dott
   gathered whole, for a head whose logits a plain loss reads;
 - ``rowwise_split_input`` (``rowwise_rep``): ``rowwise`` on a whole input (each rank takes its
   part); ``embedding_rowwise``/``embedding_colwise``: transformers' names for an embedding's;
-  ``replicate``: left whole.
+  ``replicate``: left whole; ``replicated_with_grad_allreduce``: whole, but applied to split
+  activations, so each rank's gradient is a part, summed over the group.
+
+A parameter that the plan leaves whole yet that works on split activations gets a different
+gradient on each rank of a group; the first step checks that every whole parameter's gradient
+agrees over the group, and names the first that does not (see ``TensorParallel``).
 
 Where it comes from, in this order: the task's ``tp_plan(model)``; a transformers model's own
 (``config.base_model_tp_plan`` under the base model's prefix, and the head's ``_tp_plan``),
@@ -46,7 +51,11 @@ STYLES: dict[str, tuple[str, str, bool]] = {
     "rowwise_split_input": ("in", "whole", True),
     "embedding_rowwise": ("in", "whole", True),
     "replicate": ("", "whole", True),
+    "replicated_with_grad_allreduce": ("", "whole", True),
 }
+# Whole on every rank but used on split activations (a norm over each head: Qwen3's q_norm): each
+# rank's gradient is a part, summed over the group after backward.
+SUMMED = "replicated_with_grad_allreduce"
 # Attributes that hold a number of attention heads, in leantrain's examples and transformers.
 HEAD_COUNTS = ("heads", "num_heads", "n_head", "num_attention_heads", "num_key_value_heads")
 
@@ -74,7 +83,7 @@ def plan_of(model: nn.Module, task_plan: Mapping[str, str] | None, tp: int) -> t
 
 
 def planned_modules(model: nn.Module, plan: Mapping[str, str], tp: int) -> dict[str, str]:
-    """Every module the plan splits, by full name, with its style, checked (see the module's doc)."""
+    """Every module the plan names, by full name, with its style, checked (see the module's doc)."""
     names = [name for name, _ in model.named_modules() if name]
     chosen: dict[str, str] = {}
     for pattern, style in plan.items():
@@ -87,7 +96,7 @@ def planned_modules(model: nn.Module, plan: Mapping[str, str], tp: int) -> dict[
         for name in matched:
             if STYLES[style][0]:
                 _check_divides(name, model.get_submodule(name), style, tp)
-                chosen[name] = style
+            chosen[name] = style
     _check_heads(model, tp)
     return chosen
 
@@ -132,6 +141,8 @@ def parallel_styles(model: nn.Module, chosen: Mapping[str, str]) -> dict[str, An
     styles = {}
     for name, style in chosen.items():
         splits, arrives, gathered = STYLES[style]
+        if not splits:
+            continue  # left whole
         # An embedding's input is token ids: whole on every rank, whatever the style's name says.
         whole = arrives == "whole" or isinstance(model.get_submodule(name), nn.Embedding)
         if splits == "out":
