@@ -236,6 +236,12 @@ class TrainConfig:
         "(the plan: task.tp_plan(model), a transformers model's own, or the example's); ddp or fsdp "
         "over the rest (--strategy fsdp --tp 2 on 4 processes is 2D); 1: off",
     )
+    loss_parallel: bool = _field(
+        True,
+        "parallel",
+        "with --tp: the task's cross-entropy on the output layer's logits split by vocabulary (none "
+        "gathered), where the first micro-batch's loss agrees with the gathered logits'; false: gathered",
+    )
     shard_blocks: str | None = _field(
         None,
         "parallel",

@@ -362,3 +362,19 @@ def head_scaled_summed() -> HeadScaledRegression:
 
 def head_scaled_whole() -> HeadScaledRegression:
     return HeadScaledRegression(summed=False)
+
+
+class TinyLlamaGatherLoss(TinyLlama64):
+    """TinyLlama64 with its cross-entropy written by hand (log_softmax, then gather): the same loss,
+    but ``gather`` of split logits by whole labels is an op that split logits do not support."""
+
+    def loss(self, model, batch):
+        from leantrain.task import LossSum
+
+        labels = batch["labels"]
+        picked = model(input_ids=batch["input_ids"]).logits.log_softmax(-1).gather(-1, labels[..., None])
+        return LossSum(-picked.sum(), labels.numel())
+
+
+def tiny_llama_gather_loss() -> TinyLlamaGatherLoss:
+    return TinyLlamaGatherLoss()

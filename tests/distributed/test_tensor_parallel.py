@@ -67,21 +67,25 @@ def test_a_killed_run_of_ddp_replicas_of_tp_groups_resumes_and_ends_as_one_proce
 
 
 @pytest.mark.parametrize(
-    ("task", "plan"),
+    ("task", "plan", "recomputed"),
     [
-        # its rowwise biases: whole on the tensor-parallel ranks, sharded by FSDP (the norm counts them so)
-        ("tiny_charlm", "(task.tp_plan(model))"),
-        ("tiny_llama_float64", "(LlamaForCausalLM's own plan (transformers))"),
+        # its rowwise biases: whole on the tensor-parallel ranks, sharded by FSDP (the norm counts them so);
+        # its blocks recomputed in backward (checkpointing wraps forward: the plan still finds the modules)
+        ("tiny_charlm", "(task.tp_plan(model))", "Block"),
+        ("tiny_llama_float64", "(LlamaForCausalLM's own plan (transformers))", None),
     ],
 )
-def test_fsdp_over_tp_groups_trains_as_one_process(tmp_path, task, plan):
+def test_fsdp_over_tp_groups_trains_as_one_process(tmp_path, task, plan, recomputed):
     if task == "tiny_llama_float64":
         pytest.importorskip("transformers")
     one = fit(tmp_path / "one", task, "--max-steps", "4")
     flags = ["--task", f"tests.distributed.tasks:{task}", "--max-steps", "4"]
+    flags += ["--activation-checkpointing", recomputed] if recomputed else []
     layout = ["--strategy", "fsdp", "--tp", "2", "--out", str(tmp_path / "2d")]
     stdout = launch_here("--nproc-per-node", "4", *FIT, *flags, *layout).stdout
     assert "tensor parallel over 2 ranks x 2 data-parallel: " in stdout and plan in stdout
+    if task == "tiny_llama_float64":  # lm_head's logits never gathered: the loss sees them split
+        assert "loss parallel: on: the cross-entropy on lm_head's logits split by vocabulary" in stdout
     assert "suboptimal" not in stdout  # torch's note on gathering 2D shards, once per rank, is not the user's
     assert_close(load_file(tmp_path / "2d" / "model.safetensors"), one)
 
@@ -100,3 +104,16 @@ def test_a_whole_parameter_on_split_activations_is_summed_when_planned_so_and_re
         "split activations; plan its module replicated_with_grad_allreduce"
     ) in str(failed.value)
     assert not (tmp_path / "whole" / "model.safetensors").exists()
+
+
+def test_a_loss_that_split_logits_cannot_take_runs_on_gathered_logits_and_says_why(tmp_path):
+    """The loss's cross-entropy written by hand: loss parallelism is tried on the first micro-batch,
+    refused, and the logits gathered as the plan says (the bug: the run fails at the first step, or
+    trains on split logits a loss it does not compute right)."""
+    pytest.importorskip("transformers")
+    one = fit(tmp_path / "one", "tiny_llama_gather_loss", "--max-steps", "3")
+    flags = ["--task", "tests.distributed.tasks:tiny_llama_gather_loss", "--max-steps", "3", "--tp", "2"]
+    stdout = launch_here("--nproc-per-node", "2", *FIT, *flags, "--out", str(tmp_path / "tp")).stdout
+    assert "loss parallel: off (the task's loss fails on split logits: " in stdout
+    assert "lm_head's logits gathered" in stdout
+    assert_close(load_file(tmp_path / "tp" / "model.safetensors"), one)

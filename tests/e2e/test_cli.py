@@ -174,6 +174,7 @@ FROZEN_FIT_FLAGS = {
     "--pipeline-stages",
     "--pipeline-schedule",
     "--tp",
+    "--loss-parallel",
     "--seed",
     "--deterministic",
     "--out-dir",

@@ -21,6 +21,7 @@ gradient is alike too (DTensor reduces the gradient of a replicated input).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -32,11 +33,22 @@ from leantrain.adapters import trained_parameters
 from leantrain.checkpoint import tied_aliases
 from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError
+from leantrain.step.accumulator import LossFn, MicroLoss, TermFn
+from leantrain.step.evaluation import LossAndMetrics
 from leantrain.step.local_values import local_values
+from leantrain.step.precision import Precision
 from leantrain.strategies.base import Example
 from leantrain.strategies.process_group import Collectives
 from leantrain.strategies.sharded_state import ShardedState
-from leantrain.strategies.tp_plan import STYLES, SUMMED, parallel_styles, plan_of, planned_modules
+from leantrain.strategies.split_logits import SplitLogits
+from leantrain.strategies.tp_plan import (
+    STYLES,
+    SUMMED,
+    output_layer,
+    parallel_styles,
+    plan_of,
+    planned_modules,
+)
 
 
 class TensorParallel(ShardedState, Collectives):
@@ -45,6 +57,7 @@ class TensorParallel(ShardedState, Collectives):
     precision_reason = "with --tp: fp32 parameters, computed in bf16 with bf16-mixed"
     mesh: Any = None  # the ("dp", "tp") DeviceMesh, made by ``apply_plan``
     summed: tuple[str, ...] = ()  # modules planned replicated_with_grad_allreduce
+    split_logits: SplitLogits = SplitLogits(nn.Module(), None)  # made by ``apply_plan``
     _agreement_checked = False  # whether the first step's gradients were checked (finish_gradients)
 
     @classmethod
@@ -70,7 +83,8 @@ class TensorParallel(ShardedState, Collectives):
         parameters = dict(model.named_parameters(remove_duplicate=False))
         tied = {alias: first for alias, first in tied_aliases(model).items() if alias in parameters}
         self.mesh = self.dims.mesh(self.device.type)
-        parallelize_module(model, self.mesh["tp"], parallel_styles(model, chosen))
+        logits = output_layer(model, chosen)
+        parallelize_module(model, self.mesh["tp"], parallel_styles(model, chosen, left_split=logits))
         _tie_again(model, tied, tp)
         self.summed = tuple(name for name, style in chosen.items() if style == SUMMED)
         split = sum(1 for style in chosen.values() if STYLES[style][0])
@@ -78,7 +92,30 @@ class TensorParallel(ShardedState, Collectives):
             f"tensor parallel over {tp} ranks x {self.dims.dp} data-parallel: {split} modules split "
             f"({source})"
         )
+        self.split_logits = SplitLogits(model, logits)
+        if (line := self.split_logits.decide(self.cfg.loss_parallel, example, self.any_rank)) is not None:
+            self.notes.append(line)
         return model
+
+    def forward_backward(
+        self,
+        loss_fn: LossFn,
+        batches: Iterator[Any],
+        count: int,
+        term: TermFn,
+        precision: Precision,
+        before_last_backward: Callable[[], None],
+    ) -> list[MicroLoss]:
+        # The task's loss and its backward under loss_parallel, when the logits stay split.
+        with self.split_logits.context():
+            local = self.split_logits.local(loss_fn)
+            return super().forward_backward(local, batches, count, term, precision, before_last_backward)
+
+    def forward_only(
+        self, loss_and_metrics: LossAndMetrics, batches: Iterable[Any], precision: Precision
+    ) -> Iterator[tuple[Any, dict[str, Any], int]]:
+        with self.split_logits.context():
+            yield from super().forward_only(self.split_logits.local(loss_and_metrics), batches, precision)
 
     def optimizer_params(self, prepared: list[nn.Parameter]) -> list[nn.Parameter]:
         # The plan replaced each planned parameter by a DTensor: the optimizer takes those.

@@ -133,8 +133,22 @@ def _check_heads(model: nn.Module, tp: int) -> None:
                 raise ConfigError("tp", tp, f"must divide the {count} attention heads of {where}.{attribute}")
 
 
-def parallel_styles(model: nn.Module, chosen: Mapping[str, str]) -> dict[str, Any]:
-    """``torch.distributed.tensor.parallel`` styles for the checked plan ``chosen``."""
+def output_layer(model: nn.Module, chosen: Mapping[str, str]) -> str | None:
+    """The Linear whose gathered output is the logits: the last that the plan splits colwise and
+    gathers (transformers' ``lm_head``); None when there is none."""
+    gathering = [
+        name
+        for name, module in model.named_modules()
+        if name in chosen and STYLES[chosen[name]][::2] == ("out", True) and isinstance(module, nn.Linear)
+    ]
+    return gathering[-1] if gathering else None
+
+
+def parallel_styles(
+    model: nn.Module, chosen: Mapping[str, str], left_split: str | None = None
+) -> dict[str, Any]:
+    """``torch.distributed.tensor.parallel`` styles for the checked plan ``chosen``; ``left_split``:
+    a gathering module whose output stays split instead, as a DTensor (``split_logits.py``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -145,7 +159,9 @@ def parallel_styles(model: nn.Module, chosen: Mapping[str, str]) -> dict[str, An
             continue  # left whole
         # An embedding's input is token ids: whole on every rank, whatever the style's name says.
         whole = arrives == "whole" or isinstance(model.get_submodule(name), nn.Embedding)
-        if splits == "out":
+        if name == left_split:
+            styles[name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        elif splits == "out":
             styles[name] = ColwiseParallel(output_layouts=Replicate() if gathered else Shard(-1))
         else:
             styles[name] = RowwiseParallel(input_layouts=Replicate() if whole else Shard(-1))
