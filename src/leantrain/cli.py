@@ -252,6 +252,12 @@ def run_plan(values: dict[str, Any], console: Console) -> MemoryEstimate:
     if not 0 <= margin < 1:
         raise ConfigError("safety_margin", margin, "must be at least 0 and below 1")
     cfg = config_from_args(values)
+    if cfg.tp > 1:  # a table of the whole model would read as each rank's
+        raise ConfigError(
+            "tp",
+            cfg.tp,
+            "leantrain plan measures one process holding the whole model; it does not split it by --tp yet",
+        )
     budget = None if cfg.memory_budget is None else parse_bytes(cfg.memory_budget)
     task, _ = resolve_task(values.get("task"), values.get("example"))
     plan = estimate_memory(task, cfg, budget=budget, margin=margin)

@@ -236,6 +236,12 @@ class TrainConfig:
         "(the plan: task.tp_plan(model), a transformers model's own, or the example's); ddp or fsdp "
         "over the rest (--strategy fsdp --tp 2 on 4 processes is 2D); 1: off",
     )
+    sequence_parallel: bool = _field(
+        True,
+        "parallel",
+        "with --tp: between the plan's sequence_split and sequence_gather, each rank holds its share "
+        "of the positions (norms and the activations between blocks split by sequence); false: whole",
+    )
     loss_parallel: bool = _field(
         True,
         "parallel",

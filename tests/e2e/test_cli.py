@@ -174,6 +174,7 @@ FROZEN_FIT_FLAGS = {
     "--pipeline-stages",
     "--pipeline-schedule",
     "--tp",
+    "--sequence-parallel",
     "--loss-parallel",
     "--seed",
     "--deterministic",

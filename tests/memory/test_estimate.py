@@ -102,3 +102,9 @@ def test_the_cli_prints_one_json_object_with_the_recommendation(tmp_path):
         bad.stderr.strip()
         == "leantrain: error: invalid memory_budget='lots': must be a size such as 24GiB, 16GB or 512MiB"
     )
+    # A whole model's bytes under --tp would read as each rank's: refused until the plan splits it.
+    split = subprocess.run([LEANTRAIN, "plan", "--tp", "2"], capture_output=True, text=True, timeout=60)
+    assert split.returncode == 2
+    assert split.stderr.strip().startswith(
+        "leantrain: error: invalid tp=2: leantrain plan measures one process"
+    )

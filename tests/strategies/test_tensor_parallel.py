@@ -12,7 +12,14 @@ from leantrain.cluster import ClusterEnv
 from leantrain.examples.charlm import CharLMTask
 from leantrain.strategies.dims import ParallelDims
 from leantrain.strategies.registry import check_config
-from leantrain.strategies.tp_plan import parallel_styles, plan_of, planned_modules
+from leantrain.strategies.tp_plan import (
+    STYLES,
+    parallel_styles,
+    plan_of,
+    planned_modules,
+    sequence_moves,
+    style_of,
+)
 from tests.test_batch_norm import one_process_group
 
 
@@ -61,15 +68,49 @@ def charlm() -> tuple[CharLMTask, nn.Module]:
     return task, task.model()
 
 
-def test_the_examples_plan_splits_each_blocks_four_matrices():
+def test_the_examples_plan_splits_each_blocks_four_matrices_and_the_positions_between_them():
     task, model = charlm()
     plan, source = plan_of(model, task.tp_plan(model), 2)
     assert source == "task.tp_plan(model)"
     chosen = planned_modules(model, plan, 2)
-    assert sorted(chosen) == sorted(
-        f"blocks.{i}.{name}" for i in (0, 1) for name in ("qkv", "proj", "mlp.0", "mlp.2")
-    )
-    assert chosen["blocks.1.qkv"] == "colwise" and chosen["blocks.0.mlp.2"] == "rowwise"
+    matrices = [f"blocks.{i}.{name}" for i in (0, 1) for name in ("qkv", "proj", "mlp.0", "mlp.2")]
+    assert sorted(name for name, style in chosen.items() if STYLES[style].splits) == sorted(matrices)
+    assert chosen["blocks.1.qkv"] == "sequence_colwise" and chosen["blocks.0.mlp.2"] == "sequence_rowwise"
+    # The positions split at the first block's input, gathered at the head's; the norms between run on them.
+    assert sequence_moves(chosen, sequence_parallel=True) == {"blocks.0": "split", "head": "gather"}
+    assert {chosen[f"blocks.{i}.norm{j}"] for i in (0, 1) for j in (1, 2)} | {chosen["norm"]} == {
+        "sequence_parallel"
+    }
+    # --sequence-parallel false: the same plan without the moves, the matrices as plain colwise/rowwise.
+    assert sequence_moves(chosen, sequence_parallel=False) == {}
+    assert style_of("sequence_colwise", False) == STYLES["colwise"]
+    assert style_of("sequence_rowwise", False) == STYLES["rowwise"]
+    assert style_of("sequence_parallel", False) == STYLES["replicate"]
+
+
+def test_sequence_parallelism_gathers_before_a_colwise_and_reduce_scatters_after_a_rowwise():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8), nn.Linear(8, 4))
+    chosen = {"0": "sequence_parallel", "1": "sequence_colwise", "2": "sequence_rowwise"}
+    on = parallel_styles(model, chosen, sequence_parallel=True)
+    assert isinstance(on["0"], SequenceParallel)
+    assert on["1"].input_layouts == (Shard(1),) and on["2"].output_layouts == (Shard(1),)
+    off = parallel_styles(model, chosen, sequence_parallel=False)
+    assert "0" not in off  # the norm whole
+    assert off["1"].input_layouts == (Replicate(),) and off["2"].output_layouts == (Replicate(),)
+
+
+def test_a_sequence_that_does_not_divide_is_one_line():
+    from leantrain.strategies.sequence import _split_first_input
+
+    class PairOfRanks:
+        def size(self) -> int:
+            return 2
+
+    with pytest.raises(lt.ConfigError, match="invalid tp=2: must divide the sequence length 15"):
+        _split_first_input(PairOfRanks(), nn.Identity(), (torch.zeros(1, 15, 4),))
 
 
 def test_a_transformers_model_brings_its_own_plan_under_its_prefix():
@@ -126,7 +167,7 @@ def test_styles_take_an_embeddings_token_ids_whole_and_gather_only_where_asked()
 
     model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(4, 8))
     chosen = {"0": "rowwise", "1": "colwise", "2": "rowwise", "3": "colwise_rep"}
-    styles = parallel_styles(model, chosen)
+    styles = parallel_styles(model, chosen, sequence_parallel=True)
     assert styles["0"].input_layouts == (Replicate(),) and styles["2"].input_layouts == (Shard(-1),)
     assert styles["1"].output_layouts == (Shard(-1),) and styles["3"].output_layouts == (Replicate(),)
 

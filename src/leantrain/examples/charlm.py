@@ -109,9 +109,11 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        batch, length, _ = x.shape
-        # -1: the heads this process computes (all of them, or its share under --tp)
-        qkv = self.qkv(self.norm1(x)).view(batch, length, -1, 3, self.head_width)
+        # Under --tp, x holds this rank's share of the positions (sequence parallelism) and qkv all
+        # of them, for this rank's heads (-1): the shapes are qkv's.
+        qkv = self.qkv(self.norm1(x))
+        batch, length = qkv.shape[:2]
+        qkv = qkv.view(batch, length, -1, 3, self.head_width)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))
         dropout = self.dropout if self.training else 0.0
         if document_ids is None:
@@ -210,12 +212,19 @@ class CharLMTask:
 
     def tp_plan(self, model: nn.Module) -> dict[str, str]:
         """How ``--tp`` splits CharGPT: in each block, attention's qkv and the MLP's first layer by
-        output (each rank computes its heads and its hidden units), the layers after them by input
-        (one all-reduce per half-block). The tied embedding and head stay whole: a vocabulary of
-        ~100 characters is little to split, and rarely divides."""
+        output (each rank computes its heads and its hidden units), the layers after them by input.
+        Between them (sequence parallelism, unless --sequence-parallel false) each rank holds its
+        share of the positions: from the first block's input to the head's, the norms run on it,
+        qkv and mlp.0 gather it, proj and mlp.2 reduce-scatter into it. The tied embedding and
+        head stay whole: a vocabulary of ~100 characters is little to split, and rarely divides."""
         return {
-            "blocks.*.qkv": "colwise",
-            "blocks.*.proj": "rowwise",
-            "blocks.*.mlp.0": "colwise",
-            "blocks.*.mlp.2": "rowwise",
+            "blocks.0": "sequence_split",
+            "blocks.*.norm1": "sequence_parallel",
+            "blocks.*.qkv": "sequence_colwise",
+            "blocks.*.proj": "sequence_rowwise",
+            "blocks.*.norm2": "sequence_parallel",
+            "blocks.*.mlp.0": "sequence_colwise",
+            "blocks.*.mlp.2": "sequence_rowwise",
+            "norm": "sequence_parallel",
+            "head": "sequence_gather",
         }

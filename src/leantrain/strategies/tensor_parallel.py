@@ -39,6 +39,7 @@ from leantrain.step.local_values import local_values
 from leantrain.step.precision import Precision
 from leantrain.strategies.base import Example
 from leantrain.strategies.process_group import Collectives
+from leantrain.strategies.sequence import add_sequence_moves
 from leantrain.strategies.sharded_state import ShardedState
 from leantrain.strategies.split_logits import SplitLogits
 from leantrain.strategies.tp_plan import (
@@ -48,6 +49,7 @@ from leantrain.strategies.tp_plan import (
     parallel_styles,
     plan_of,
     planned_modules,
+    sequence_moves,
 )
 
 
@@ -84,7 +86,9 @@ class TensorParallel(ShardedState, Collectives):
         tied = {alias: first for alias, first in tied_aliases(model).items() if alias in parameters}
         self.mesh = self.dims.mesh(self.device.type)
         logits = output_layer(model, chosen)
-        parallelize_module(model, self.mesh["tp"], parallel_styles(model, chosen, left_split=logits))
+        sequence = self.cfg.sequence_parallel
+        parallelize_module(model, self.mesh["tp"], parallel_styles(model, chosen, sequence, logits))
+        add_sequence_moves(model, sequence_moves(chosen, sequence), self.mesh["tp"])
         _tie_again(model, tied, tp)
         self.summed = tuple(name for name, style in chosen.items() if style == SUMMED)
         split = sum(1 for style in chosen.values() if STYLES[style][0])
@@ -127,7 +131,12 @@ class TensorParallel(ShardedState, Collectives):
 
     def finish_gradients(self, params: list[torch.Tensor]) -> None:
         """Sum the parts of the gradients of ``replicated_with_grad_allreduce`` modules over the
-        group; at the first step, check that every whole parameter's gradient agrees over it."""
+        group, and DTensor's pending sums (a norm under sequence parallelism: each rank's positions
+        give a part); at the first step, check that every whole parameter's gradient agrees."""
+        for param in params:
+            grad = param.grad
+            if grad is not None and any(p.is_partial() for p in getattr(grad, "placements", ())):
+                param.grad = grad.redistribute(grad.device_mesh, param.placements)  # type: ignore[attr-defined]
         group = self.mesh["tp"].get_group()
         parts = [p.grad for name in self.summed for p in self.model.get_submodule(name).parameters()]
         parts = local_values(grad for grad in parts if grad is not None)

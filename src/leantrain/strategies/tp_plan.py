@@ -13,7 +13,12 @@ A plan maps module names to styles. A name may hold ``*`` for one part of a dott
 - ``rowwise_split_input`` (``rowwise_rep``): ``rowwise`` on a whole input (each rank takes its
   part); ``embedding_rowwise``/``embedding_colwise``: transformers' names for an embedding's;
   ``replicate``: left whole; ``replicated_with_grad_allreduce``: whole, but applied to split
-  activations, so each rank's gradient is a part, summed over the group.
+  activations, so each rank's gradient is a part, summed over the group;
+- sequence parallelism (``--sequence-parallel``, on by default where a plan has it): from a
+  ``sequence_split`` module's input to a ``sequence_gather`` module's, each rank holds its share
+  of the positions; ``sequence_parallel`` modules (norms) run on it, ``sequence_colwise`` layers
+  all-gather it before their product and ``sequence_rowwise`` layers reduce-scatter into it
+  (instead of an all-reduce). Off, the same plan runs with whole activations.
 
 A parameter that the plan leaves whole yet that works on split activations gets a different
 gradient on each rank of a group; the first step checks that every whole parameter's gradient
@@ -31,28 +36,55 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
 from leantrain.errors import ConfigError
 
-# Style -> what it splits: "out" (a Linear's output features, an Embedding's width), "in" (a
-# Linear's input features, an Embedding's vocabulary) or "" (nothing: left whole); and whether
-# the input arrives whole ("whole") or as a colwise neighbour's split output ("split"), and the
-# output leaves gathered. transformers' names for the same styles are accepted as they are.
-STYLES: dict[str, tuple[str, str, bool]] = {
-    "colwise": ("out", "whole", False),
-    "colwise_rep": ("out", "whole", True),
-    "colwise_gather_output": ("out", "whole", True),
-    "embedding_colwise": ("out", "whole", False),
-    "rowwise": ("in", "split", True),
-    "rowwise_rep": ("in", "whole", True),
-    "rowwise_split_input": ("in", "whole", True),
-    "embedding_rowwise": ("in", "whole", True),
-    "replicate": ("", "whole", True),
-    "replicated_with_grad_allreduce": ("", "whole", True),
+
+class Style(NamedTuple):
+    """What a style splits: "out" (a Linear's output features, an Embedding's width), "in" (a
+    Linear's input features, an Embedding's vocabulary) or "" (nothing: the module stays whole);
+    how its input arrives and its output leaves: "whole", "split" (by feature: a colwise
+    neighbour's output) or "sequence" (split by position, sequence parallelism)."""
+
+    splits: str
+    takes: str
+    gives: str
+
+
+# transformers' names for the same styles are accepted as they are.
+STYLES: dict[str, Style] = {
+    "colwise": Style("out", "whole", "split"),
+    "colwise_rep": Style("out", "whole", "whole"),
+    "colwise_gather_output": Style("out", "whole", "whole"),
+    "embedding_colwise": Style("out", "whole", "split"),
+    "rowwise": Style("in", "split", "whole"),
+    "rowwise_rep": Style("in", "whole", "whole"),
+    "rowwise_split_input": Style("in", "whole", "whole"),
+    "embedding_rowwise": Style("in", "whole", "whole"),
+    "replicate": Style("", "whole", "whole"),
+    "replicated_with_grad_allreduce": Style("", "whole", "whole"),
+    # Sequence parallelism: between blocks each rank holds its share of the positions.
+    "sequence_split": Style("", "whole", "sequence"),
+    "sequence_parallel": Style("", "sequence", "sequence"),
+    "sequence_colwise": Style("out", "sequence", "split"),
+    "sequence_rowwise": Style("in", "split", "sequence"),
+    "sequence_gather": Style("", "sequence", "whole"),
 }
+
+
+def style_of(name: str, sequence_parallel: bool) -> Style:
+    """The style ``name`` means, sequence parallelism on or off (off: whole where it would split)."""
+    style = STYLES[name]
+    if sequence_parallel:
+        return style
+    return Style(
+        style.splits, *("whole" if side == "sequence" else side for side in (style.takes, style.gives))
+    )
+
+
 # Whole on every rank but used on split activations (a norm over each head: Qwen3's q_norm): each
 # rank's gradient is a part, summed over the group after backward.
 SUMMED = "replicated_with_grad_allreduce"
@@ -139,30 +171,42 @@ def output_layer(model: nn.Module, chosen: Mapping[str, str]) -> str | None:
     gathering = [
         name
         for name, module in model.named_modules()
-        if name in chosen and STYLES[chosen[name]][::2] == ("out", True) and isinstance(module, nn.Linear)
+        if name in chosen and STYLES[chosen[name]][::2] == ("out", "whole") and isinstance(module, nn.Linear)
     ]
     return gathering[-1] if gathering else None
 
 
 def parallel_styles(
-    model: nn.Module, chosen: Mapping[str, str], left_split: str | None = None
+    model: nn.Module, chosen: Mapping[str, str], sequence_parallel: bool, left_split: str | None = None
 ) -> dict[str, Any]:
     """``torch.distributed.tensor.parallel`` styles for the checked plan ``chosen``; ``left_split``:
     a gathering module whose output stays split instead, as a DTensor (``split_logits.py``)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    styles = {}
+    layouts = {"whole": Replicate(), "split": Shard(-1), "sequence": Shard(1)}
+    styles: dict[str, Any] = {}
     for name, style in chosen.items():
-        splits, arrives, gathered = STYLES[style]
-        if not splits:
-            continue  # left whole
-        # An embedding's input is token ids: whole on every rank, whatever the style's name says.
-        whole = arrives == "whole" or isinstance(model.get_submodule(name), nn.Embedding)
+        splits, takes, gives = style_of(style, sequence_parallel)
+        if isinstance(model.get_submodule(name), nn.Embedding):
+            takes = "whole"  # token ids, whole on every rank, whatever the style's name says
         if name == left_split:
             styles[name] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         elif splits == "out":
-            styles[name] = ColwiseParallel(output_layouts=Replicate() if gathered else Shard(-1))
-        else:
-            styles[name] = RowwiseParallel(input_layouts=Replicate() if whole else Shard(-1))
+            styles[name] = ColwiseParallel(input_layouts=layouts[takes], output_layouts=layouts[gives])
+        elif splits == "in":
+            styles[name] = RowwiseParallel(input_layouts=layouts[takes], output_layouts=layouts[gives])
+        elif (takes, gives) == ("sequence", "sequence"):
+            styles[name] = SequenceParallel(use_local_output=True)
     return styles
+
+
+def sequence_moves(chosen: Mapping[str, str], sequence_parallel: bool) -> dict[str, str]:
+    """The modules whose first input sequence parallelism splits or gathers (see ``sequence.py``)."""
+    moves = {("whole", "sequence"): "split", ("sequence", "whole"): "gather"}
+    found = {}
+    for name, style in chosen.items():
+        splits, takes, gives = style_of(style, sequence_parallel)
+        if not splits and (takes, gives) in moves:
+            found[name] = moves[takes, gives]
+    return found
