@@ -239,6 +239,7 @@ def _facts(task: Any, cfg: TrainConfig, result: FitResult, device: torch.device,
         accumulation_steps=result.accumulation_steps,
         global_batch_size=result.global_batch_size,
         world_size=result.world_size,
+        tensor_parallel=result.tensor_parallel,
         num_workers=result.num_workers,
         persistent_workers=True,  # leantrain's loaders keep their workers
         auto_workers=auto_workers(detect().local_world_size),

@@ -9,7 +9,8 @@
 
 The probe plugs into the Trainer through its ``Instruments`` seam (it wraps the precision,
 the loss function, the loader and the batches when they are built, and hooks the strategy's
-gradient all-reduce through ``register_comm_hook``) and its ``on_step`` callback (the step
+gradient all-reduce through ``register_comm_hook``; under ``--tp``, the collectives inside
+forward and backward through ``collectives.py``) and its ``on_step`` callback (the step
 boundaries).
 """
 
@@ -25,6 +26,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.flop_counter import FlopCounterMode
 
+from leantrain.diagnose.collectives import CollectiveClock
 from leantrain.diagnose.syncs import HostSyncs, RetainedGraphs
 from leantrain.diagnose.timer import PhaseTimer
 
@@ -66,6 +68,9 @@ class StepProbe:
         self._data_seconds = 0.0  # the wait for the batch being moved to the device
         self._launches: list[Any] = []  # clock marks of the all-reduces of the running backward
         self._modes = ExitStack()
+        self.collectives = CollectiveClock(self.timer)  # tensor parallelism's, inside forward and backward
+        self._wrapped = ExitStack()  # the collectives wrapped while the probe lives (tensor parallelism)
+        self._tp, self._split_modules = 1, frozenset[str]()  # from the strategy: see _flops_per_rank
         self._profiler: torch.profiler.profile | None = None
 
     # -- Instruments: called once by the Trainer when it builds each piece --------------
@@ -75,15 +80,34 @@ class StepProbe:
 
     def strategy(self, strategy: Any) -> None:
         strategy.register_comm_hook(self._timed_all_reduce)  # DDP's all-reduce; others have none
+        self._tp = getattr(getattr(strategy, "dims", None), "tp", 1)
+        self._split_modules = frozenset(getattr(strategy, "split_modules", ()))
+        if self._tp > 1:
+            self._wrapped.enter_context(self.collectives)
+
+    def _flops_per_rank(self) -> int:
+        """The audited step's FLOPs on this rank. The counter sees a split layer's product as DTensor
+        ops, with the whole layer's shapes: each rank computes 1/tp of those."""
+        total = self.flop_counter.get_total_flops()
+        if self._tp > 1:
+            counts = self.flop_counter.get_flop_counts()  # "RootClass.<module name>" -> op -> FLOPs
+            named = ((key.partition(".")[2], ops) for key, ops in counts.items())
+            split = sum(sum(ops.values()) for name, ops in named if name in self._split_modules)
+            total -= split * (1 - 1 / self._tp)
+        return int(total)
 
     def loss(self, loss_fn: Any) -> Any:
         timer = self.timer
 
+        collectives = self.collectives
+
         def timed_loss(model: torch.nn.Module, batch: Any) -> Any:
             start = timer.mark()  # marks, not timer.phase(): a context manager costs microseconds
+            collectives.phase = "forward"
             try:
                 return loss_fn(model, batch)
             finally:
+                collectives.phase = None
                 timer.add_interval("forward", start, timer.mark())
 
         return timed_loss
@@ -144,7 +168,7 @@ class StepProbe:
                 self._modes.enter_context(self.graphs)
                 self._modes.enter_context(self.flop_counter)
         elif done == timed_end + 1:
-            self.flops_per_step = int(self.flop_counter.get_total_flops())
+            self.flops_per_step = self._flops_per_rank()
             self._modes.close()  # the graph recorder and the flop counter stop; the syncs go on
             self._modes.enter_context(self.syncs)
             self.audited_steps = 1
@@ -172,8 +196,10 @@ class StepProbe:
         self._profiler.__enter__()
 
     def close(self) -> None:
-        """Leave any mode or profiler still active (a run that ended early or failed)."""
+        """Leave any mode or profiler still active (a run that ended early or failed), and put the
+        collectives back."""
         self._modes.close()
+        self._wrapped.close()
         if self._profiler is not None:
             self._profiler.__exit__(None, None, None)
             self._profiler = None
@@ -197,7 +223,11 @@ class _TimedPrecision:
         probe, timer = self._probe, self._probe.timer
         probe._launches = []
         start = timer.mark()
-        self._inner.backward(loss)
+        probe.collectives.phase = "backward"
+        try:
+            self._inner.backward(loss)
+        finally:
+            probe.collectives.phase = None
         end = timer.mark()
         if timer.enabled:
             probe.backward_calls += 1

@@ -59,6 +59,7 @@ class TensorParallel(ShardedState, Collectives):
     precision_reason = "with --tp: fp32 parameters, computed in bf16 with bf16-mixed"
     mesh: Any = None  # the ("dp", "tp") DeviceMesh, made by ``apply_plan``
     summed: tuple[str, ...] = ()  # modules planned replicated_with_grad_allreduce
+    split_modules: tuple[str, ...] = ()  # the modules the plan splits (each rank computes 1/tp of them)
     split_logits: SplitLogits = SplitLogits(nn.Module(), None)  # made by ``apply_plan``
     _agreement_checked = False  # whether the first step's gradients were checked (finish_gradients)
 
@@ -91,10 +92,10 @@ class TensorParallel(ShardedState, Collectives):
         add_sequence_moves(model, sequence_moves(chosen, sequence), self.mesh["tp"])
         _tie_again(model, tied, tp)
         self.summed = tuple(name for name, style in chosen.items() if style == SUMMED)
-        split = sum(1 for style in chosen.values() if STYLES[style][0])
+        self.split_modules = tuple(name for name, style in chosen.items() if STYLES[style].splits)
         self.notes.append(
-            f"tensor parallel over {tp} ranks x {self.dims.dp} data-parallel: {split} modules split "
-            f"({source})"
+            f"tensor parallel over {tp} ranks x {self.dims.dp} data-parallel: {len(self.split_modules)} "
+            f"modules split ({source})"
         )
         self.split_logits = SplitLogits(model, logits)
         if (line := self.split_logits.decide(self.cfg.loss_parallel, example, self.any_rank)) is not None:
