@@ -5,7 +5,11 @@ the same global batch, micro-batch, steps and seed by every strategy:
 
 - ``single`` (one process, the reference) and ``split`` (one process, ``--device-map cpu,cpu``):
   ``leantrain fit``;
-- ``ddp``, ``fsdp`` and ``pipeline`` (2 stages): ``leantrain launch --nproc-per-node 2 fit``.
+- ``ddp``, ``fsdp``, ``pipeline`` (2 stages), ``tp`` (``--tp 2`` with the defaults: strategy
+  ddp, sequence parallelism on) and ``tp (no SP)`` (``--sequence-parallel false``): ``leantrain
+  launch --nproc-per-node 2 fit``;
+- ``ddp x tp`` and ``fsdp x tp`` (``--strategy ddp|fsdp --tp 2``: 2 data-parallel ranks of
+  2-rank tensor-parallel groups): ``leantrain launch --nproc-per-node 4 fit``.
 
 Every run is a subprocess with ``OMP_NUM_THREADS=1`` per process and its own run folder in a
 temporary directory; the figures are read from its ``summary.json`` (written by rank 0, so the
@@ -14,28 +18,37 @@ byte counts are rank 0's view): ``params_bytes``, ``grads_bytes``, ``optimizer_b
 (and ``val_loss``). The strategies run interleaved, several rounds in a rotating order; the
 tables give medians.
 
-A probe (this file started by torchrun with ``--fsdp-probe``) shards the model as ``fsdp``
-does and looks at what autograd saves in one forward: FSDP all-gathers each block's weights
-for its forward, autograd saves those gathered weights for backward, and the engine's
-activation count sees them; FSDP frees their storage after the block's forward.
+Two probes, this file started by torchrun:
 
-    python benchmarks/parallelism.py          # full run (about 6 min on 2 cores): results/parallelism.md
+- ``--fsdp-probe`` shards the model as ``fsdp`` does and looks at what autograd saves in one
+  forward: FSDP all-gathers each block's weights for its forward, autograd saves those gathered
+  weights for backward, and the engine's activation count sees them; FSDP frees their storage
+  after the block's forward.
+- ``--tp-probe`` counts the collectives tensor parallelism runs: in one micro-batch's forward and
+  backward of the model split by leantrain's own strategy, and in one whole training step of
+  ``leantrain.Trainer`` (also under plain ddp, for comparison), with and without sequence
+  parallelism; and what its activation count holds.
+
+    python benchmarks/parallelism.py          # full run (about 11 min on 2 cores): results/parallelism.md
     python benchmarks/parallelism.py --quick  # smoke run (1 round, 20 steps); prints the tables only
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -45,18 +58,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import default_collate
 
 import leantrain as lt
-from _common import add_output_options, cpu_model, load_now, output_path, publish, ranged
+from _common import add_output_options, cpu_model, git_state, load_now, output_path, publish, ranged
 from leantrain.examples.charlm import Block, CharLMTask
 from leantrain.memory.accountant import base_tensor
+from leantrain.strategies.base import Example
+from leantrain.strategies.ddp import Distributed
 from leantrain.strategies.dims import ParallelDims
 from leantrain.strategies.fsdp import FullyShard
+from leantrain.strategies.tp_plan import STYLES, planned_modules
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / "results" / "parallelism.md"
 PROCESSES = 2  # of the multi-process strategies; also the pipeline's stages
+TP = 2  # the tensor-parallel degree of the tp rows
 GLOBAL_BATCH = 32
 MICRO_BATCH = 8  # 4 micro-batches per step for single, split and the pipeline; 2 per process for ddp, fsdp
 LOG_EVERY = 10
@@ -70,13 +90,28 @@ class Strategy:
     processes: int
     flags: tuple[str, ...]
     holds: str  # what one process holds, in words
+    runs_as: str = ""  # the strategy summary.json names, where not ``name``
+    tp: int = 1
+
+    @property
+    def summary_strategy(self) -> str:
+        return self.runs_as or self.name
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", self.name).strip("-")
+
+    def data_parallel(self) -> int:
+        """How many shares the global batch is split into: a pipeline's stages and a tensor-parallel
+        group's ranks all load the same samples."""
+        return self.processes // self.tp if self.summary_strategy in ("ddp", "fsdp") else 1
 
     def micro_x_acc(self) -> str:
-        """Micro-batch x accumulation steps of one process (the stages of a pipeline all see every sample)."""
-        data_parallel = self.processes if self.name in ("ddp", "fsdp") else 1
-        return f"{MICRO_BATCH} x {GLOBAL_BATCH // data_parallel // MICRO_BATCH}"
+        """Micro-batch x accumulation steps of one process."""
+        return f"{MICRO_BATCH} x {GLOBAL_BATCH // self.data_parallel() // MICRO_BATCH}"
 
 
+TP_HOLDS = "1/2 of each block's 4 matrices; embeddings, head, norms whole"
 STRATEGIES = (
     Strategy("single", 1, ("--strategy", "single"), "the whole model"),
     Strategy("ddp", PROCESSES, ("--strategy", "ddp"), "a full replica"),
@@ -93,9 +128,20 @@ STRATEGIES = (
         ("--strategy", "split", "--device-map", ",".join(["cpu"] * PROCESSES)),
         f"the whole model, in {PROCESSES} parts",
     ),
+    # The task asks for `--tp 2` with leantrain's defaults: the default strategy of a launch is ddp
+    # (over one data-parallel rank here), and summary.json says so.
+    Strategy("tp", TP, ("--tp", str(TP)), TP_HOLDS, runs_as="ddp", tp=TP),
+    # charlm's plan splits the positions between blocks (sequence parallelism) unless told not to:
+    # this row is the plain Megatron split, whose all-reduces the formula describes.
+    Strategy("tp (no SP)", TP, ("--tp", str(TP), "--sequence-parallel", "false"), "as tp", "ddp", TP),
+    Strategy("ddp x tp", 2 * TP, ("--strategy", "ddp", "--tp", str(TP)), "as tp (2 replicas)", "ddp", TP),
+    Strategy(
+        "fsdp x tp", 2 * TP, ("--strategy", "fsdp", "--tp", str(TP)), "1/2 of tp's (FSDP over dp)", "fsdp", TP
+    ),
 )
 REFERENCE = "single"
 DATA_PARALLEL = "ddp"  # what fsdp and the pipeline are compared with: a full replica per process
+TP_ROWS = ("tp", "tp (no SP)", "ddp x tp", "fsdp x tp")
 BYTES = ("params_bytes", "grads_bytes", "optimizer_bytes")
 
 
@@ -144,6 +190,7 @@ class Measured:
     summaries: list[dict[str, Any]] = field(default_factory=list)  # one summary.json per round
     command_seconds: list[float] = field(default_factory=list)  # the whole subprocess, start-up included
     steady: list[float] = field(default_factory=list)  # samples/s after the first log window, per round
+    window_losses: list[list[float]] = field(default_factory=list)  # each log window's train loss, per round
 
     def values(self, key: str) -> list[float]:
         return [summary[key] for summary in self.summaries]
@@ -153,31 +200,32 @@ class Measured:
 
 
 def run_leantrain(entry: Measured, scratch: Path, steps: int, index: int) -> None:
-    out_dir = scratch / f"run-{index}-{entry.strategy.name}"
+    out_dir = scratch / f"run-{index}-{entry.strategy.slug}"
     command = [sys.executable, "-m", "leantrain", *fit_arguments(entry.strategy, out_dir, steps)]
     started = time.perf_counter()
     run_checked(command, f"leantrain {entry.strategy.name}")
     entry.command_seconds.append(time.perf_counter() - started)
     summary = json.loads((out_dir / "summary.json").read_text())
-    if summary["strategy"] != entry.strategy.name or summary["steps"] != steps:
-        raise RuntimeError(
-            f"{entry.strategy.name}: summary.json says {summary['strategy']}, {summary['steps']} steps"
-        )
+    said = (summary["strategy"], summary.get("tensor_parallel", 1), summary["steps"])
+    if said != (entry.strategy.summary_strategy, entry.strategy.tp, steps):
+        raise RuntimeError(f"{entry.strategy.name}: summary.json says strategy, tp, steps = {said}")
     entry.summaries.append(summary)
-    entry.steady.append(steady_speed(out_dir / "metrics.csv"))
+    speed, losses = read_metrics(out_dir / "metrics.csv")
+    entry.steady.append(speed)
+    entry.window_losses.append(losses)
 
 
-def steady_speed(metrics_csv: Path) -> float:
+def read_metrics(metrics_csv: Path) -> tuple[float, list[float]]:
     """The median ``samples_per_second`` of the log windows after the first (warm-up: the first step
-    also counts the saved activations, and a pipeline's first step builds its schedule)."""
+    also counts the saved activations, and a pipeline's first step builds its schedule), and every
+    window's mean train loss."""
     with metrics_csv.open(newline="") as file:
         # The final validation writes a row without samples_per_second.
-        speeds = [
-            float(row["samples_per_second"]) for row in csv.DictReader(file) if row["samples_per_second"]
-        ]
-    if len(speeds) < 2:
-        raise RuntimeError(f"{metrics_csv}: {len(speeds)} log window(s); --steps must give at least 2")
-    return statistics.median(speeds[1:])
+        rows = [row for row in csv.DictReader(file) if row["samples_per_second"]]
+    if len(rows) < 2:
+        raise RuntimeError(f"{metrics_csv}: {len(rows)} log window(s); --steps must give at least 2")
+    speeds = [float(row["samples_per_second"]) for row in rows]
+    return statistics.median(speeds[1:]), [float(row["train_loss"]) for row in rows]
 
 
 def round_order(round_index: int) -> list[Strategy]:
@@ -261,18 +309,255 @@ def fsdp_probe(out: Path) -> None:
         dist.destroy_process_group()
 
 
-def probe_command(out: Path) -> list[str]:
+def probe_command(out: Path, mode: str, processes: int, *extra: str) -> list[str]:
     return [
-        *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(PROCESSES)),
+        *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)),
         str(Path(__file__).resolve()),
-        *("--fsdp-probe", "--probe-out", str(out)),
+        *(mode, "--probe-out", str(out), *extra),
     ]
 
 
 def run_probe(scratch: Path) -> dict[str, Any]:
     out = scratch / "fsdp-probe.json"
-    run_checked([sys.executable, *probe_command(out)], "fsdp probe")
+    run_checked([sys.executable, *probe_command(out, "--fsdp-probe", PROCESSES)], "fsdp probe")
     return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------------------------------
+# The tp probe: the collectives tensor parallelism runs, and what its activation count holds
+
+# The functional collectives' helpers: they wait for or wrap a result, and move nothing.
+BOOKKEEPING = ("wait_tensor", "_wrap_tensor_autograd")
+# Where c10d's collectives live in the dispatcher: DTensor's (functional) and torch.distributed's.
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d")
+
+
+def group_ranks(args: Sequence[Any]) -> list[int]:
+    """The global ranks of the group a dispatched collective runs on."""
+    if isinstance(args[-1], str):  # a functional collective: its group's name comes last
+        return dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(args[-1]))
+    for arg in args[1:]:
+        if isinstance(arg, torch.ScriptObject):  # torch.distributed's ops pass the group boxed
+            try:
+                return dist.get_process_group_ranks(dist.ProcessGroup.unbox(arg))
+            except RuntimeError:  # another boxed argument: the reduce op
+                continue
+    return []
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Every collective that reaches the dispatcher, with the bytes of the tensors it is given.
+
+    DTensor's redistributions call the functional collectives, in forward and in the backward
+    that autograd runs on this thread (on the CPU); ``dist.all_reduce`` and DDP's reducer call
+    c10d's ops through the dispatcher too. The bytes are those of the first argument: the
+    tensors reduced (or the input of a gather), not what goes on the wire.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = ""
+        self.calls: list[dict[str, Any]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        op = func.name().partition("::")[2]
+        if func.namespace in COLLECTIVE_NAMESPACES and op not in BOOKKEEPING:
+            tensors = [t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
+            self.calls.append({
+                "op": func.name(),
+                "phase": self.phase,
+                "shapes": [list(t.shape) for t in tensors],
+                "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else "",
+                "bytes": sum(t.numel() * t.element_size() for t in tensors),
+                "ranks": group_ranks(args),
+            })  # fmt: skip
+        return func(*args, **(kwargs or {}))
+
+
+def gloo_shapes(profiler: profile) -> list[list[Any]]:
+    """What gloo itself ran, from the profiler's events (record_shapes): names and input shapes."""
+    return [[event.name, event.input_shapes] for event in profiler.events() if event.name.startswith("gloo:")]
+
+
+class SavedTensors:
+    """What autograd saves in one forward, counted as the engine's accountant counts it (each tensor
+    once, as its base; the parameters left out by identity) and split into what that count holds:
+    tensors on a parameter's storage, tensors on a storage counted already, and the rest."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.parameter_ids = {id(base_tensor(p)) for p in model.parameters()}
+        self.parameter_storages = {
+            base_tensor(p).untyped_storage().data_ptr(): name for name, p in model.named_parameters()
+        }
+        self.saved: dict[int, torch.Tensor] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        root = base_tensor(tensor)
+        if id(root) not in self.parameter_ids:
+            self.saved.setdefault(id(root), root)
+        return tensor
+
+    def summary(self) -> dict[str, Any]:
+        def size(tensors: list[torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        on_parameters, seen, again = [], {}, []
+        for tensor in self.saved.values():
+            storage = tensor.untyped_storage().data_ptr()
+            if storage in self.parameter_storages:
+                on_parameters.append(tensor)
+            elif storage in seen:
+                again.append((seen[storage], tensor))
+            else:
+                seen[storage] = tensor
+        return {
+            "counted_bytes": size(list(self.saved.values())),
+            "parameter_bytes": size(on_parameters),
+            "parameter_names": sorted(
+                {self.parameter_storages[t.untyped_storage().data_ptr()] for t in on_parameters}
+            ),
+            "parameter_shapes": sorted({tuple(t.shape) for t in on_parameters}),
+            "again_bytes": size([t for _, t in again]),
+            "again_shapes": sorted({(tuple(first.shape), tuple(t.shape)) for first, t in again}),
+            "held_bytes": sum(t.untyped_storage().nbytes() for t in seen.values()),
+        }
+
+
+def first_micro_batch(task: CharLMTask) -> Any:
+    data = task.train_data()
+    return default_collate([data[i] for i in range(MICRO_BATCH)])
+
+
+def probe_micro_batch(task: CharLMTask, sequence: bool) -> dict[str, Any]:
+    """Split charlm as ``--tp`` does (leantrain's own strategy, its plan, sequence parallelism on or
+    off), then count the collectives of one micro-batch's forward and backward twice: in the
+    dispatcher (``CollectiveCounter``) and in gloo's own profiler events. Also what autograd saves,
+    and the float32 distance of the loss and gradients from the same micro-batch on the whole model."""
+    torch.manual_seed(SEED)
+    model = task.model()
+    whole = copy.deepcopy(model)  # the same weights, not split: the reference
+    config = lt.TrainConfig(
+        strategy="ddp",
+        tp=TP,
+        sequence_parallel=sequence,
+        global_batch_size=GLOBAL_BATCH,
+        micro_batch_size=MICRO_BATCH,
+    )
+    strategy = Distributed.with_tensor_parallel()(config, torch.device("cpu"), ParallelDims(dp=1, tp=TP))
+    batch = first_micro_batch(task)
+    strategy.wrap(model, Example(task.loss, lambda: batch, task.tp_plan))
+    saved, counter = SavedTensors(strategy.model), CollectiveCounter()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler, counter:
+        counter.phase = "forward"
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
+            loss = task.loss(strategy.module, batch)
+        counter.phase = "backward"
+        loss.sum.backward()
+    reference = task.loss(whole, batch)
+    reference.sum.backward()
+    wanted = dict(whole.named_parameters())
+    worst, largest = 0.0, 0.0
+    for name, parameter in strategy.model.named_parameters():
+        grad = parameter.grad
+        # After counting: full_tensor is a collective, and it also sums a norm's pending (Partial)
+        # gradient under sequence parallelism, as the strategy does once a step.
+        grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        worst = max(worst, float((grad - wanted[name].grad).abs().max()))
+        largest = max(largest, float(wanted[name].grad.abs().max()))
+    return {
+        "calls": counter.calls,
+        "gloo": gloo_shapes(profiler),
+        "saved": saved.summary(),
+        "loss": float(loss.sum),
+        "loss_whole": float(reference.sum),
+        "grad_max_diff": worst,
+        "grad_max": largest,
+    }
+
+
+class NoValidation(CharLMTask):
+    def val_data(self) -> None:
+        """The step probe counts a training step: a final validation would only add time."""
+
+
+class StepWindow:
+    """A callback that counts the collectives of one whole training step as the Trainer runs it:
+    the third, from the end of the second (the first steps are not typical: leantrain checks the
+    whole gradients' agreement over a TP group at the first, DDP broadcasts its rebuilt buckets in
+    the second) to its own end."""
+
+    def __init__(self) -> None:
+        self.counter = CollectiveCounter()
+        self.profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+
+    def on_step(self, stats: Any) -> None:
+        if stats.step == 2:
+            self.profiler.start()
+            self.counter.__enter__()
+        elif stats.step == 3:
+            self.counter.__exit__(None, None, None)
+            self.profiler.stop()
+
+
+def probe_step(tp: int, sequence: bool, run_dir: Path) -> dict[str, Any]:
+    window = StepWindow()
+    config = lt.TrainConfig(
+        strategy="ddp",
+        tp=tp,
+        sequence_parallel=sequence,
+        global_batch_size=GLOBAL_BATCH,
+        micro_batch_size=MICRO_BATCH,
+        max_steps=3,
+        device="cpu",
+        seed=SEED,
+        progress="none",
+        logger="none",
+        out_dir=str(run_dir),
+    )
+    lt.Trainer(config, callbacks=[window]).fit(NoValidation())
+    return {"calls": window.counter.calls, "gloo": gloo_shapes(window.profiler)}
+
+
+# The step probes: (row, processes, tp, sequence parallelism), by the torchrun that runs them.
+STEP_PROBES = (
+    ("tp", TP, TP, True),
+    ("tp (no SP)", TP, TP, False),
+    ("ddp x tp", 2 * TP, TP, True),
+    ("ddp", PROCESSES, 1, False),
+)
+
+
+def tp_probe(out: Path, tp: int) -> None:
+    """With exactly one tensor-parallel group, one micro-batch with and without sequence
+    parallelism; then every step probe of this layout (the Trainer takes the group it finds)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        world = dist.get_world_size()
+        result: dict[str, Any] = {"micro_batch": {}, "steps": {}}
+        if tp == world:
+            for sequence in (False, True):
+                result["micro_batch"]["SP" if sequence else "no SP"] = probe_micro_batch(
+                    CharLMTask(), sequence
+                )
+        for row, processes, probe_tp, sequence in STEP_PROBES:
+            if (processes, probe_tp) == (world, tp):
+                result["steps"][row] = probe_step(tp, sequence, out.with_suffix(f".{len(result['steps'])}"))
+        if dist.get_rank() == 0:
+            out.write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tp_probes(scratch: Path) -> dict[str, dict[str, Any]]:
+    merged: dict[str, dict[str, Any]] = {"micro_batch": {}, "steps": {}}
+    for processes, tp in dict.fromkeys((processes, tp) for _, processes, tp, _ in STEP_PROBES):
+        out = scratch / f"tp-probe-{processes}-{tp}.json"
+        command = probe_command(out, "--tp-probe", processes, "--probe-tp", str(tp))
+        run_checked([sys.executable, *command], f"tp probe ({processes} processes, tp {tp})")
+        for key, value in json.loads(out.read_text()).items():
+            merged[key].update(value)
+    return merged
 
 
 def validation_check(single_run: Path, pipeline_accumulation: int) -> dict[str, Any]:
@@ -285,7 +570,8 @@ def validation_check(single_run: Path, pipeline_accumulation: int) -> dict[str, 
     task = CharLMTask()
     model = task.model()
     missing, unexpected = model.load_state_dict(load_file(single_run / "model.safetensors"), strict=False)
-    if unexpected or set(missing) - {"token.weight"}:  # the tied weight is exported once, as head.weight
+    # The tied weight is exported once, under one of its two names.
+    if unexpected or len(missing) > 1 or set(missing) - {"token.weight", "head.weight"}:
         raise RuntimeError(f"single's weights do not fit charlm: missing {missing}, unexpected {unexpected}")
     model.eval()
     data = task.val_data()
@@ -318,14 +604,35 @@ def mib(value: float) -> str:
     return f"{value / MIB:.3f}"
 
 
+def plan_facts(task: CharLMTask, model: torch.nn.Module) -> dict[str, int]:
+    """From charlm's plan as leantrain reads it: the bytes of the tensors it splits (every split
+    weight, and a colwise layer's bias; a rowwise layer adds its bias after the sum: whole), and how
+    many tensors the sequence-parallel norms have (their gradients come in parts, one per rank)."""
+    split, norm_tensors = 0, 0
+    for name, style in planned_modules(model, task.tp_plan(model), TP).items():
+        module = model.get_submodule(name)
+        if style == "sequence_parallel":
+            norm_tensors += len(list(module.parameters()))
+        if not STYLES[style][0]:  # a style that splits nothing
+            continue
+        split += module.weight.numel() * module.weight.element_size()
+        if module.bias is not None and STYLES[style][0] == "out":
+            split += module.bias.numel() * module.bias.element_size()
+    return {"split_bytes": split, "sequence_norm_tensors": norm_tensors}
+
+
 def model_facts() -> dict[str, int]:
-    model = CharLMTask().model()
+    task = CharLMTask()
+    model = task.model()
     return {
         "params": sum(p.numel() for p in model.parameters()),  # the tied weight once
         "param_tensors": len(list(model.parameters())),
         "token_bytes": model.token.weight.numel() * model.token.weight.element_size(),
         "vocab": model.token.weight.shape[0],
         "width": model.token.weight.shape[1],
+        "block": model.position.weight.shape[0],
+        "blocks": len(model.blocks),
+        **plan_facts(task, model),
     }
 
 
@@ -333,45 +640,73 @@ def per_round_ratios(entry: Measured, reference: Measured, key: str) -> list[flo
     return [a[key] / b[key] for a, b in zip(entry.summaries, reference.summaries, strict=True)]
 
 
-def render(
-    measured: dict[str, Measured],
-    probe: dict[str, Any],
-    val_check: dict[str, Any],
-    args: argparse.Namespace,
-    load_before: str,
-    minutes: float,
-) -> str:
+def command_line(name: str, steps: int) -> str:
+    strategy = next(s for s in STRATEGIES if s.name == name)
+    return f"`{shlex.join(['leantrain', *fit_arguments(strategy, Path('DIR'), steps)])}`"
+
+
+def render(measured: dict[str, Measured], probes: dict[str, Any], context: dict[str, Any]) -> str:
     facts = model_facts()
-    ref, ddp = measured[REFERENCE], measured[DATA_PARALLEL]
-    example = " and ".join(
-        f"`{shlex.join(['leantrain', *fit_arguments(s, Path('DIR'), args.steps)])}`"
-        for s in (STRATEGIES[1], STRATEGIES[4])
-    )
     lines = [
+        *header_lines(context, facts),
+        *memory_lines(measured),
+        *speed_lines(measured),
+        *tp_section(probes["tp"], facts, measured),
+        "",
+        "## Findings",
+        "",
+        *findings(measured, probes, facts),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def header_lines(context: dict[str, Any], facts: dict[str, int]) -> list[str]:
+    args = context["args"]
+    example = " and ".join(command_line(name, args.steps) for name in ("ddp", "split", "tp"))
+    return [
         "# Parallel strategies on the CPU: memory per process, loss and overhead (charlm, gloo)",
         "",
         f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.system()} {platform.machine()}, "
         f"{cpu_model()}, {os.cpu_count()} CPU cores visible, Python {platform.python_version()}; "
-        f"load average before / after: {load_before} / {load_now()}; the full run took {minutes:.1f} min",
-        f"- Versions: torch {torch.__version__}, leantrain {lt.__version__}",
+        f"load average before / after: {context['load_before']} / {load_now()}; the full run took "
+        f"{context['minutes']:.1f} min",
+        f"- Versions: torch {torch.__version__}, leantrain {lt.__version__}; commit "
+        f"{context['commit_before']}"
+        + (
+            f" (after the run: {context['commit_after']})"
+            if context["commit_after"] != context["commit_before"]
+            else ""
+        ),
         f"- Work: the built-in `charlm` example (4 blocks, width {facts['width']}, vocabulary "
         f"{facts['vocab']}, {facts['params']:,} parameters with the token embedding and the head tied; "
         f"AdamW; fp32; validation once at the end), global batch {GLOBAL_BATCH}, micro-batch "
         f"{MICRO_BATCH}, {args.steps} steps, seed {SEED}, every process with `OMP_NUM_THREADS=1`. "
-        f"`single` and `split` run in one process (`leantrain fit`), `ddp`, `fsdp` and `pipeline` in "
-        f"{PROCESSES} (`leantrain launch --nproc-per-node {PROCESSES} fit`, gloo). E.g. {example}.",
+        f"`single` and `split` run in one process (`leantrain fit`), `ddp`, `fsdp`, `pipeline`, `tp` and "
+        f"`tp (no SP)` in {PROCESSES} (`leantrain launch --nproc-per-node {PROCESSES} fit`, gloo; `tp` is "
+        f"`--tp {TP}` with the defaults: strategy ddp over one data-parallel rank, sequence parallelism on; "
+        f"`tp (no SP)` adds `--sequence-parallel false`), `ddp x tp` and `fsdp x tp` in {2 * TP} "
+        f"(`--nproc-per-node {2 * TP} --strategy ddp|fsdp --tp {TP}`: 2 data-parallel ranks, each a "
+        f"{TP}-rank tensor-parallel group, so {2 * TP} processes share the {os.cpu_count()} cores). E.g. "
+        f"{example}.",
         f"- Runs: {args.rounds} round(s), the {len(STRATEGIES)} strategies in a rotating order (reversed "
         "every other round), each run a subprocess with its run folder in a temporary directory; the "
         "figures are read from its `summary.json`, which rank 0 writes: the bytes are rank 0's. Medians over "
         "rounds, the range in brackets where it shows.",
+    ]
+
+
+def memory_lines(measured: dict[str, Measured]) -> list[str]:
+    ddp = measured[DATA_PARALLEL]
+    lines = [
         "",
         "## Memory per process (rank 0)",
         "",
         "- *Params*, *Grads*, *Optimizer*: `params_bytes`, `grads_bytes`, `optimizer_bytes` (the engine's "
         "accountant, after the first step: each tensor once, a sharded `DTensor` as its local shard). "
         "*Activations*: `activation_bytes`, what autograd saves for backward in the first micro-batch's "
-        "forward. *vs ddp*: Params / Grads / Optimizer over ddp's. *Peak RSS*: `peak_memory_bytes`, the "
-        "process's peak resident set (`VmHWM`), most of it torch itself. MiB.",
+        "forward (for fsdp and the tp rows it counts more than is held: see the findings). *vs ddp*: Params "
+        "/ Grads / Optimizer over ddp's. *Peak RSS*: `peak_memory_bytes`, the process's peak resident set "
+        "(`VmHWM`), most of it torch itself. MiB.",
         "",
         "| Strategy | Processes | Meant to hold, per process | Micro x acc per process | Params | Grads "
         "| Optimizer | Params + grads + optimizer | vs ddp | Activations | Peak RSS |",
@@ -388,7 +723,12 @@ def render(
             f"| {ranged([v / MIB for v in entry.values('activation_bytes')], 3)} "
             f"| {ranged([v / MIB for v in entry.values('peak_memory_bytes')], 1)} |"
         )
-    lines += [
+    return lines
+
+
+def speed_lines(measured: dict[str, Measured]) -> list[str]:
+    ref = measured[REFERENCE]
+    lines = [
         "",
         "## Loss and throughput",
         "",
@@ -400,10 +740,10 @@ def render(
         f"log windows in `metrics.csv` after the first ({LOG_EVERY} steps each); *vs single*: median over "
         "rounds of the ratio to single in the same round, range in brackets. *Command s*: the wall time of "
         "the whole subprocess (start-up, process group, validation, saving included).",
-        f"- Not a speed benchmark of the strategies: {PROCESSES} processes on {os.cpu_count()} cores, one "
-        "thread each, on a tiny model, beside whatever else runs on the machine (see the load average). "
-        "The multi-process rows show what each strategy's communication and bookkeeping cost here; the "
-        "one-process rows leave a core idle.",
+        f"- Not a speed benchmark of the strategies: {PROCESSES} processes on {os.cpu_count()} cores (the "
+        f"`x tp` rows {2 * TP}), one thread each, on a tiny model, beside whatever else runs on the machine "
+        "(see the load average). The multi-process rows show what each strategy's communication and "
+        "bookkeeping cost here; the one-process rows leave a core idle.",
         "",
         "| Strategy | Final train loss | Δ vs single | Val loss | samples/s | vs single | after warm-up "
         "| vs single | Command s |",
@@ -422,15 +762,264 @@ def render(
             f"| {ranged(entry.steady, 1)} | {ranged(steady_ratios, 2)} "
             f"| {ranged(entry.command_seconds, 1)} |"
         )
-    lines += ["", "## Findings", "", *findings(measured, probe, val_check, facts)]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def findings(
-    measured: dict[str, Measured], probe: dict[str, Any], val_check: dict[str, Any], facts: dict[str, int]
+ALL_REDUCE = "_c10d_functional::all_reduce"
+ALL_GATHER = "_c10d_functional::all_gather_into_tensor"
+REDUCE_SCATTER = "_c10d_functional::reduce_scatter_tensor"
+PHASES = ("forward", "backward")
+# What gloo runs for each collective. torch's gloo backend runs a reduce-scatter as an all-reduce of
+# the whole tensor, each rank then keeping its part (its profiler events say so: gloo_agrees checks).
+GLOO_RUNS = {
+    "all_reduce": "gloo:all_reduce",
+    "allreduce_": "gloo:all_reduce",
+    "all_gather_into_tensor": "gloo:all_gather",
+    "reduce_scatter_tensor": "gloo:all_reduce",
+    "broadcast_": "gloo:broadcast",
+}
+
+
+def kind(op: str) -> str:
+    return op.partition("::")[2]
+
+
+def ring_bytes(op: str, size: float, group: int) -> float:
+    """What a ring sends per rank (and receives) for a collective handed ``size`` bytes over ``group``
+    ranks: an all-reduce 2 (n - 1) / n of them, a reduce-scatter (n - 1) / n of its whole input, an
+    all-gather n - 1 times the part each rank gives."""
+    if kind(op).startswith("all_gather"):
+        return (group - 1) * size
+    share = (group - 1) / group * size
+    return share if kind(op).startswith("reduce_scatter") else 2 * share
+
+
+def moved_per_rank(calls: list[dict[str, Any]]) -> float:
+    return sum(ring_bytes(call["op"], call["bytes"], len(call["ranks"])) for call in calls)
+
+
+def gloo_sent(calls: list[dict[str, Any]]) -> float:
+    """As ``moved_per_rank``, for the collectives gloo runs: a reduce-scatter is an all-reduce there."""
+    return sum(ring_bytes(GLOO_RUNS.get(kind(c["op"]), c["op"]), c["bytes"], len(c["ranks"])) for c in calls)
+
+
+def dispatched_shapes(calls: list[dict[str, Any]]) -> list[list[Any]]:
+    """The counter's calls as gloo names its work, to compare with ``gloo_shapes``."""
+    return [[GLOO_RUNS.get(kind(c["op"]), c["op"]), c["shapes"]] for c in calls]
+
+
+def activation_size(facts: dict[str, int]) -> int:
+    """One micro-batch's activations at a block's boundary: micro-batch x block x width, float32."""
+    return MICRO_BATCH * facts["block"] * facts["width"] * 4
+
+
+def tp_formula(facts: dict[str, int], sequence: bool) -> dict[tuple[str, str], tuple[int, int]]:
+    """Megatron's collectives per micro-batch: (collective, phase) -> (count, bytes handed to each).
+
+    Without sequence parallelism, per block 2 all-reduces of the activations in forward (after the
+    rowwise layers) and 2 of their gradients in backward (before the colwise ones). With it, each
+    becomes an all-gather of the rank's share of the positions before a colwise layer and a
+    reduce-scatter after a rowwise one, and the reverse in backward; plus the ways in and out of the
+    split: the head's input gathered in forward, the first block's input gradient in backward.
+    """
+    size, pairs = activation_size(facts), 2 * facts["blocks"]
+    if not sequence:
+        return {(ALL_REDUCE, phase): (pairs, size) for phase in PHASES}
+    gathers = {(ALL_GATHER, phase): (pairs + 1, size // TP) for phase in PHASES}
+    return {**gathers, **{(REDUCE_SCATTER, phase): (pairs, size) for phase in PHASES}}
+
+
+def group_name(ranks: Sequence[int], processes: int, tp: int) -> str:
+    """Rank 0's group by role: tensor-parallel ranks are consecutive, data-parallel ones ``tp`` apart."""
+    role = "tp" if tp > 1 and list(ranks) == list(range(tp)) else ""
+    role = role or ("dp" if list(ranks) == list(range(0, processes, tp)) else "?")
+    return f"{role}: {', '.join(map(str, ranks))}"
+
+
+def grouped(calls: list[dict[str, Any]]) -> list[tuple[tuple[Any, ...], int]]:
+    """The calls by (op, phase, ranks, bytes each, dtype), in the order they first came."""
+    keys = ((call["op"], call["phase"], tuple(call["ranks"]), call["bytes"], call["dtype"]) for call in calls)
+    return list(Counter(keys).items())
+
+
+def gloo_agrees(probe: dict[str, Any]) -> bool:
+    """Whether gloo's own events are the dispatcher's collectives: the same names, count and shapes."""
+
+    def key(pair: list[Any]) -> str:
+        return json.dumps(pair)
+
+    return Counter(map(key, probe["gloo"])) == Counter(map(key, dispatched_shapes(probe["calls"])))
+
+
+def tp_section(tp_probes: dict[str, Any], facts: dict[str, int], measured: dict[str, Measured]) -> list[str]:
+    lines = [
+        "",
+        "## Tensor parallelism: bytes communicated per step, measured against the formula",
+        "",
+        "- *Formula* (Megatron's, for charlm's plan): per block and micro-batch, the forward all-reduces "
+        "the outputs of `proj` and `mlp.2` (the rowwise layers' partial sums), the backward the input "
+        "gradients of `qkv` and `mlp.0` (the colwise layers' partial ones); each micro-batch x block x "
+        f"width x 4 bytes = {MICRO_BATCH} x {facts['block']} x {facts['width']} x 4 = "
+        f"{activation_size(facts):,} B. With sequence parallelism (`--sequence-parallel`, on by default "
+        "where the plan has it, as charlm's does) each rank holds its share of the positions between the "
+        "blocks' matrices: each all-reduce becomes an all-gather before a colwise layer and a "
+        "reduce-scatter after a rowwise one (in backward the reverse), plus the ways in and out (the "
+        "head's input gathered in forward, the first block's input gradient in backward). Sent per rank by "
+        "a ring over n ranks: an all-reduce "
+        "2 (n - 1) / n of the tensor, a reduce-scatter and an all-gather (n - 1) / n of the whole.",
+        f"- *Measured*: the probe (`parallelism.py --tp-probe`, started by torchrun in {TP} processes) "
+        "splits charlm with leantrain's own strategy (`Distributed.with_tensor_parallel()`, what `--tp "
+        f"{TP}` runs: charlm's `tp_plan` through `parallelize_module`), once with sequence parallelism and "
+        "once without, and runs the first micro-batch's forward and backward inside a `TorchDispatchMode` "
+        "that records every op of the `_c10d_functional` and `c10d` namespaces with the bytes of the "
+        "tensors handed to it (DTensor's redistributions and torch.distributed's collectives, DDP's "
+        "reducer included, all pass the dispatcher; the helpers `wait_tensor` and `_wrap_tensor_autograd` "
+        "move nothing and are left out), and inside `torch.profiler` (record_shapes), whose `gloo:*` events "
+        "are what gloo itself ran. The bytes are those handed to the collectives (an all-gather's: the "
+        "rank's part); what crosses the wire is the ring figure, or gloo's own (below).",
+        "",
+        "One micro-batch, forward and backward, rank 0:",
+        "",
+        "| Plan | Collective | Phase | Count | Bytes each | Total bytes | Formula | Ratio |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for plan, micro in tp_probes["micro_batch"].items():
+        lines += micro_batch_rows(plan, micro, tp_formula(facts, plan == "SP"))
+    micros = tp_probes["micro_batch"].values()
+    in_group = all(call["ranks"] == list(range(TP)) for micro in micros for call in micro["calls"])
+    agree = all(gloo_agrees(micro) for micro in micros)
+    lines += [
+        "",
+        (
+            "Every one over the tensor-parallel group (ranks 0, 1). "
+            if in_group
+            else "NOT all over ranks 0, 1. "
+        )
+        + (
+            "gloo's events in the same windows are the same collectives, count and shapes, each "
+            "reduce-scatter run as a `gloo:all_reduce` of its whole input (torch's gloo backend, here), and "
+            "an all-reduce sends twice a reduce-scatter's bytes (the *gloo* rows). "
+            if agree
+            else "gloo's events are NOT the dispatcher's: read the probe. "
+        )
+        + "The split model's loss sum on this micro-batch against the whole model's, and the largest "
+        "gradient difference: "
+        + "; ".join(
+            f"{plan}: {micro['loss']:.6f} against {micro['loss_whole']:.6f}, {micro['grad_max_diff']:.1e} "
+            f"(largest |gradient| {micro['grad_max']:.1f})"
+            for plan, micro in tp_probes["micro_batch"].items()
+        )
+        + ": float32 rounding.",
+        *tp_step_table(tp_probes["steps"], facts, measured),
+    ]
+    return lines
+
+
+def micro_batch_rows(
+    plan: str, micro: dict[str, Any], formula: dict[tuple[str, str], tuple[int, int]]
 ) -> list[str]:
+    rows = []
+    for (op, phase, _, each, dtype), count in grouped(micro["calls"]):
+        total = count * each
+        wanted_count, wanted_each = formula.get((op, phase), (0, 0))
+        wanted = wanted_count * wanted_each
+        rows.append(
+            f"| {plan} | `{op}` ({dtype}) | {phase} | {count} | {each:,} | {total:,} | "
+            + (
+                f"{wanted_count} x {wanted_each:,} = {wanted:,} | {total / wanted:.3f} |"
+                if wanted
+                else "- | - |"
+            )
+        )
+    calls = micro["calls"]
+    total, wanted = sum(c["bytes"] for c in calls), sum(n * each for n, each in formula.values())
+    ring = sum(ring_bytes(op, n * each, TP) for (op, _), (n, each) in formula.items())
+    sent, by_gloo = moved_per_rank(calls), gloo_sent(calls)
+    return [
+        *rows,
+        f"| {plan}: all | | | {len(calls)} | | {total:,} | {wanted:,} | {total / wanted:.3f} |",
+        f"| {plan}: sent per rank, ring | | | | | {sent:,.0f} | {ring:,.0f} | {sent / ring:.3f} |",
+        f"| {plan}: sent per rank, gloo | | | | | {by_gloo:,.0f} | {ring:,.0f} | {by_gloo / ring:.3f} |",
+    ]
+
+
+def tp_step_table(steps: dict[str, Any], facts: dict[str, int], measured: dict[str, Measured]) -> list[str]:
+    lines = [
+        "",
+        "One whole training step (the third), rank 0: the same counter and profiler in a callback of "
+        "`leantrain.Trainer` (`TrainConfig(strategy='ddp', tp=..., sequence_parallel=...)`, as `launch ... "
+        "fit` builds it, charlm without validation), from the end of the second step to the end of the "
+        "third (the first steps are not typical: leantrain checks at the first that the whole gradients "
+        "agree over a TP group, DDP broadcasts its rebuilt buckets in the second). Plain ddp for "
+        "comparison. *Expected*: the formula for the activations (micro-batches per rank x per micro-batch); "
+        "the norms' gradient parts under sequence parallelism (each rank's positions give a part of a "
+        "norm's weight and bias gradient, summed once a step after backward); the run's `grads_bytes` "
+        "(rank 0's gradient values) for the gradients' all-reduce over the data-parallel group.",
+        "",
+        "| Run | Collective | Group (ranks) | Count | Bytes each | Tensor bytes | Sent per rank (ring) "
+        "| Expected |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for row, processes, tp, sequence in STEP_PROBES:
+        calls = steps[row]["calls"]
+        micro_batches = GLOBAL_BATCH // (processes // tp) // MICRO_BATCH
+        per_step: Counter[tuple[str, int]] = Counter()
+        for (op, _), (count, each) in tp_formula(facts, sequence).items():
+            per_step[op, each] += count * micro_batches if tp > 1 else 0
+        gradients = sum(c["bytes"] for c in calls if is_gradient_reduce(c))
+        grads_bytes = measured[row if row in measured else DATA_PARALLEL].first("grads_bytes")
+        for (op, _, ranks, each, dtype), count in grouped(calls):
+            if per_step[op, each]:
+                expected = f"{per_step[op, each]} x {each:,}"
+            elif sequence and op == ALL_REDUCE and each == facts["width"] * 4:
+                expected = f"{facts['sequence_norm_tensors']} x {each:,}: the norms' gradient parts"
+            elif is_gradient_reduce({"op": op, "dtype": dtype, "ranks": ranks}):
+                together = "together " if gradients != each * count else ""
+                expected = f"{together}`grads_bytes` {grads_bytes:,}" + (
+                    "" if gradients == grads_bytes else " (NOT what was reduced)"
+                )
+            else:
+                expected = "the loss sums: total, count, is-a-sum" if each == 24 else ""
+            lines.append(
+                f"| {row} ({processes} processes) | `{op}` ({dtype}) | {group_name(ranks, processes, tp)} "
+                f"| {count} | {each:,} | {count * each:,} | {ring_bytes(op, count * each, len(ranks)):,.0f} "
+                f"| {expected} |"
+            )
+        lines.append(
+            f"| {row}: the step | all | | {len(calls)} | | {sum(c['bytes'] for c in calls):,} "
+            f"| {moved_per_rank(calls):,.0f} | gloo sends {gloo_sent(calls):,.0f} |"
+        )
+    agree = [gloo_agrees(steps[row]) for row, *_ in STEP_PROBES]
+    lines += [
+        "",
+        "gloo's own events agree with the dispatcher's (names, count, shapes; a reduce-scatter as an "
+        "all-reduce) in "
+        + ("every step." if all(agree) else f"{sum(agree)} of the {len(agree)} steps only: READ THE PROBE."),
+    ]
+    return lines
+
+
+def is_gradient_reduce(call: dict[str, Any]) -> bool:
+    """torch.distributed's float32 all-reduce over more than one rank: the gradients (DDP's buckets,
+    or ddp x tp's flat all-reduce of each rank's values); the loss sums are float64."""
+    return call["op"] == "c10d::allreduce_" and call["dtype"] == "float32" and len(call["ranks"]) > 1
+
+
+def findings(measured: dict[str, Measured], probes: dict[str, Any], facts: dict[str, int]) -> list[str]:
+    return [
+        *fsdp_findings(measured, probes["fsdp"], facts),
+        pipeline_finding(measured, facts),
+        tp_memory_finding(measured, facts),
+        tp_activation_finding(measured, probes["tp"]["micro_batch"]),
+        loss_finding(measured, probes["val_check"]),
+        throughput_finding(measured, probes["tp"]),
+        *tp_speed_findings(measured, probes["tp"], facts),
+        rss_finding(measured),
+    ]
+
+
+def fsdp_findings(measured: dict[str, Measured], probe: dict[str, Any], facts: dict[str, int]) -> list[str]:
     ref, ddp, fsdp = measured[REFERENCE], measured[DATA_PARALLEL], measured["fsdp"]
-    pipe = measured["pipeline"]
     lines = []
 
     # fsdp: half the state, to a few bytes.
@@ -490,11 +1079,15 @@ def findings(
         f"{probe['freed_bytes'] / fsdp.first('activation_bytes'):.0%} here; on a large model with small "
         "micro-batches the blocks' weights can dwarf the activations."
     )
+    return lines
 
-    # pipeline: the stage's gradients and optimizer state, but the whole model's parameters.
+
+def pipeline_finding(measured: dict[str, Measured], facts: dict[str, int]) -> str:
+    """The pipeline's stage: its gradients and optimizer state, and its parameters."""
+    ref, ddp, pipe = measured[REFERENCE], measured[DATA_PARALLEL], measured["pipeline"]
     stage_params = pipe.first("grads_bytes")  # every parameter of the stage is trainable
     whole_plus_copy = ref.first("params_bytes") + facts["token_bytes"]
-    lines.append(
+    return (
         f"- **pipeline** (rank 0 = stage 0: the token and position embeddings and blocks 0-1) holds "
         f"{pipe.first('grads_bytes') / ddp.first('grads_bytes'):.3f} of ddp's gradient bytes and "
         f"{pipe.first('optimizer_bytes') / ddp.first('optimizer_bytes'):.3f} of its optimizer bytes: its "
@@ -518,7 +1111,9 @@ def findings(
         "(documented)."
     )
 
-    # Loss.
+
+def loss_finding(measured: dict[str, Measured], val_check: dict[str, Any]) -> str:
+    ref = measured[REFERENCE]
     deltas = {
         name: max(
             abs(a - b)
@@ -527,37 +1122,87 @@ def findings(
         for name, entry in measured.items()
         if name != REFERENCE
     }
-    val_deltas = {name: abs(measured[name].first("val_loss") - ref.first("val_loss")) for name in deltas}
-    others = max(v for name, v in val_deltas.items() if name != "pipeline")
-    lines.append(
+
+    def windows(name: str) -> list[float]:
+        """The largest difference from single's train loss, log window by log window, over the rounds."""
+        pairs = zip(measured[name].window_losses, ref.window_losses, strict=True)
+        per_round = [[abs(a - b) for a, b in zip(mine, single, strict=True)] for mine, single in pairs]
+        return [max(column) for column in zip(*per_round, strict=True)]
+
+    tp_windows = windows("tp")
+    return (
         "- **Loss**: the final train loss against single's, largest difference over the rounds: "
         + ", ".join(f"{name} {delta:.1e}" for name, delta in deltas.items())
         + f" (relative {max(deltas.values()) / ref.first('final_train_loss'):.0e} at most): float32 rounding "
-        "of the same sums taken in another order. Val loss: within "
-        f"{others:.1e} of single's, but the pipeline's is {val_deltas['pipeline']:.1e} off. Not a different "
-        f"model: the pipeline validates its batches {val_check['group']} at a time (the stages were traced "
-        "for a step's micro-batches) and leaves out a last incomplete group (documented); of charlm's "
-        f"{val_check['all']} validation sequences, in batches of {MICRO_BATCH}, it evaluates "
-        f"{val_check['kept']}. Single's final weights (its first round's `model.safetensors`) give "
-        f"{val_check['loss_all']:.7f} on all of them (single's `val_loss`: {ref.first('val_loss'):.7f}) and "
-        f"{val_check['loss_kept']:.7f} on those {val_check['kept']} alone: the pipeline's "
-        f"{pipe.first('val_loss'):.7f} to {abs(val_check['loss_kept'] - pipe.first('val_loss')):.0e}."
+        "of the same sums taken in another order. The log windows' mean train loss against single's, window "
+        f"by window ({LOG_EVERY} steps each): "
+        + ", ".join(f"{name} {' / '.join(f'{d:.0e}' for d in windows(name))}" for name in ("ddp", *TP_ROWS))
+        + ". tp rounds the forward differently too (its all-reduce or reduce-scatter adds the rowwise "
+        "layers' partial sums), where ddp only sums the gradients in another order"
+        + (", and its difference grows over the steps" if tp_windows[-1] > tp_windows[0] else "")
+        + "; its first micro-batch agrees with one process's to float32 rounding (the probe, above), and "
+        "leantrain's tests hold tp, ddp x tp and fsdp x tp within 1e-10 of one process in float64. "
+        + validation_sentence(measured, val_check)
     )
 
-    # Throughput, after warm-up (the summary's figure counts the first steps too).
-    def speed(name: str) -> float:
-        return statistics.median(measured[name].steady)
 
-    def ratio(name: str, reference: str = REFERENCE) -> float:
-        pairs = zip(measured[name].steady, measured[reference].steady, strict=True)
-        return statistics.median(a / b for a, b in pairs)
+def validation_sentence(measured: dict[str, Measured], val_check: dict[str, Any]) -> str:
+    """Val loss against single's; whether the pipeline validated every sequence or whole groups only."""
+    ref, pipe = measured[REFERENCE], measured["pipeline"].first("val_loss")
+    off = {name: abs(entry.first("val_loss") - ref.first("val_loss")) for name, entry in measured.items()}
+    others = max(v for name, v in off.items() if name not in TP_ROWS)
+    every = abs(pipe - val_check["loss_all"]) <= abs(pipe - val_check["loss_kept"])
+    where = (
+        f"The pipeline validates every sequence: single's final weights (its first round's "
+        f"`model.safetensors`) give {val_check['loss_all']:.7f} on all {val_check['all']} (the pipeline's: "
+        f"{pipe:.7f}) against {val_check['loss_kept']:.7f} on the {val_check['kept']} in whole groups of "
+        f"{val_check['group']} micro-batches, all that a pipeline once evaluated."
+        if every
+        else f"The pipeline validates its batches {val_check['group']} at a time and leaves out a last "
+        f"incomplete group: single's final weights give {val_check['loss_all']:.7f} on all "
+        f"{val_check['all']} sequences and {val_check['loss_kept']:.7f} on the {val_check['kept']} it keeps: "
+        f"the pipeline's {pipe:.7f}."
+    )
+    return (
+        f"Val loss: within {others:.1e} of single's, the tp rows within "
+        f"{max(off[name] for name in TP_ROWS):.1e}. {where}"
+    )
 
-    def outside_fit(entry: Measured) -> float:
-        pairs = zip(entry.command_seconds, entry.values("wall_seconds"), strict=True)
-        return statistics.median(command - wall for command, wall in pairs)
 
-    def step_ms(name: str) -> float:
-        return GLOBAL_BATCH / speed(name) * 1e3
+def speed(measured: dict[str, Measured], name: str) -> float:
+    """Samples/s after warm-up (the summary's figure counts the first steps too)."""
+    return statistics.median(measured[name].steady)
+
+
+def ratio(measured: dict[str, Measured], name: str, reference: str = REFERENCE) -> float:
+    pairs = zip(measured[name].steady, measured[reference].steady, strict=True)
+    return statistics.median(a / b for a, b in pairs)
+
+
+def step_ms(measured: dict[str, Measured], name: str) -> float:
+    return GLOBAL_BATCH / speed(measured, name) * 1e3
+
+
+def extra_ms(measured: dict[str, Measured], name: str, reference: str) -> float:
+    """The median over rounds of the step time's difference from ``reference``'s in the same round:
+    other load on the machine moves both of a round's runs alike more than it moves the medians."""
+    pairs = zip(measured[name].steady, measured[reference].steady, strict=True)
+    return statistics.median(GLOBAL_BATCH * 1e3 * (1 / a - 1 / b) for a, b in pairs)
+
+
+def outside_fit(entry: Measured) -> float:
+    pairs = zip(entry.command_seconds, entry.values("wall_seconds"), strict=True)
+    return statistics.median(command - wall for command, wall in pairs)
+
+
+def gradient_all_reduces(tp_probes: dict[str, Any]) -> list[dict[str, Any]]:
+    """Plain ddp's gradient all-reduces in one step (its buckets), from the step probe."""
+    return [call for call in tp_probes["steps"]["ddp"]["calls"] if is_gradient_reduce(call)]
+
+
+def throughput_finding(measured: dict[str, Measured], tp_probes: dict[str, Any]) -> str:
+    ref = measured[REFERENCE]
+    others = ("ddp", "fsdp", "pipeline", "split")
 
     # fsdp's collectives per step: per micro-batch an all-gather of every unit in forward and of
     # every block again in backward (the root stays gathered), then one reduce-scatter per unit.
@@ -567,20 +1212,29 @@ def findings(
     bubble = f"{PROCESSES - 1}/{pipeline_micro + PROCESSES - 1}"  # (S - 1) / (k + S - 1)
     split_ratios = [a / b for a, b in zip(measured["split"].steady, ref.steady, strict=True)]
     one_process = sorted({f"{outside_fit(measured[name]):.0f}" for name in (REFERENCE, "split")})
-
-    lines.append(
+    buckets = gradient_all_reduces(tp_probes)
+    slower = extra_ms(measured, "fsdp", "ddp")
+    return (
         "- **Throughput** after warm-up (the overhead on this machine, not the strategies' speed): "
-        + ", ".join(f"{name} {speed(name):.0f} samples/s ({ratio(name):.2f}x single)" for name in deltas)
-        + f", single {speed(REFERENCE):.0f}. ddp splits each step over 2 processes on 2 cores and adds one "
-        f"all-reduce of the gradients (about 3 MB) per step. fsdp / ddp = {ratio('fsdp', 'ddp'):.2f}, "
-        f"{step_ms('fsdp') - step_ms('ddp'):.0f} ms more per step ({step_ms('ddp'):.0f} against "
-        f"{step_ms('fsdp'):.0f} ms): fsdp runs about {collectives} collectives a step instead of 1 (with "
-        f"{micro_batches} micro-batches per process: an all-gather of every unit in forward and of every "
-        "block again in backward, then a reduce-scatter per unit), each of at most one block's weights (0.8 "
-        "MB) over gloo on the cores that compute, about "
-        f"{(step_ms('fsdp') - step_ms('ddp')) / collectives:.1f} ms apiece: latency and FSDP's Python "
-        "hooks, not bandwidth"
-        + (". fsdp in 2 processes is slower than single in one" if ratio("fsdp") < 1 else "")
+        + ", ".join(
+            f"{name} {speed(measured, name):.0f} samples/s ({ratio(measured, name):.2f}x single)"
+            for name in others
+        )
+        + f", single {speed(measured, REFERENCE):.0f}. ddp splits each step over 2 processes on 2 cores and "
+        f"adds {len(buckets)} all-reduce(s) of the gradients per step (DDP's buckets, "
+        f"{sum(c['bytes'] for c in buckets):,} B together: the tp probe's plain-ddp step). fsdp / ddp = "
+        f"{ratio(measured, 'fsdp', 'ddp'):.2f}, {slower:+.0f} ms a step against ddp (medians of the rounds' "
+        f"ratios and differences): fsdp runs about {collectives} collectives a step instead of "
+        f"{len(buckets)} (with {micro_batches} micro-batches per process: an all-gather of every unit in "
+        "forward and of every block again in backward, then a reduce-scatter per unit), each of at most one "
+        "block's weights (0.8 MB) over gloo on the cores that compute"
+        + (
+            f", about {slower / (collectives - len(buckets)):.1f} ms per extra collective: latency and "
+            "FSDP's Python hooks, not bandwidth"
+            if slower > 0
+            else ": no cost above this run's noise"
+        )
+        + (". fsdp in 2 processes is slower than single in one" if ratio(measured, "fsdp") < 1 else "")
         + ". The pipeline's "
         f"two stages wait for each other (with {pipeline_micro} micro-batches and {PROCESSES} stages the "
         f"bubble alone is {bubble} of the step in theory) and pass activations and gradients through gloo "
@@ -595,25 +1249,180 @@ def findings(
         )
         + ". The summary's `samples_per_second` counts the first "
         "steps too: see the table. *Command s*: the 2-process runs spend "
-        + ", ".join(f"{name} {outside_fit(measured[name]):.0f} s" for name in ("ddp", "fsdp", "pipeline"))
-        + " outside `fit` (torchrun, imports, process group; the pipeline's tracing), the 1-process runs "
-        f"{'-'.join(one_process)} s."
+        + ", ".join(
+            f"{name} {outside_fit(measured[name]):.0f} s"
+            for name, entry in measured.items()
+            if entry.strategy.processes == PROCESSES
+        )
+        + " outside `fit` (torchrun, imports, process group; the pipeline's tracing), the "
+        + f"{2 * TP}-process runs "
+        + ", ".join(
+            f"{name} {outside_fit(measured[name]):.0f} s"
+            for name, entry in measured.items()
+            if entry.strategy.processes > PROCESSES
+        )
+        + f", the 1-process runs {'-'.join(one_process)} s."
     )
+
+
+def tp_memory_finding(measured: dict[str, Measured], facts: dict[str, int]) -> str:
+    """What a tp rank holds against what charlm's plan splits."""
+    ddp, tp, no_sp, ddp_tp, fsdp_tp = (measured[name] for name in (DATA_PARALLEL, *TP_ROWS))
+    whole, split = ddp.first("params_bytes"), facts["split_bytes"]
+    expected = whole - split * (TP - 1) // TP
+    held = tp.first("params_bytes")
+    optimizer_extra = tp.first("optimizer_bytes") - 2 * held  # AdamW's step counters, one per tensor
+    fsdp_extra = fsdp_tp.first("params_bytes") - held / 2
+    fsdp_alone_extra = measured["fsdp"].first("params_bytes") - whole / 2
+
+    def versus(entry: Measured) -> str:
+        return " / ".join(f"{entry.first(k) / ddp.first(k):.3f}" for k in BYTES)
+
+    same = all(no_sp.first(k) == tp.first(k) for k in BYTES)
+    return (
+        f"- **tp** holds {versus(tp)} of ddp's parameter / gradient / optimizer bytes per process. Charlm's "
+        f"plan splits {split:,} B of the model's {whole:,} ({split / whole:.0%}: the {facts['blocks']} "
+        "blocks' `qkv`, `proj`, `mlp.0` and `mlp.2` weights and the `qkv` and `mlp.0` biases; a rowwise "
+        f"layer's bias is added after the sum and stays whole); each rank holds 1/{TP} of it, {expected:,} B "
+        f"in all, and `params_bytes` reads {held:,}"
+        + (" (to the byte)" if held == expected else " (NOT the plan's)")
+        + f". Its optimizer bytes are AdamW's two moments of those plus {optimizer_extra} B of `step` "
+        f"counters. The rest, {whole - split:,} B (the tied token embedding and head, the position "
+        "embedding, the layer norms, the rowwise biases), stays whole on every rank: on this model tp saves "
+        f"{split * (TP - 1) / TP / whole:.0%} of each process's state, the split matrices' parameters, "
+        "gradients and AdamW moments, which on a large model are most of it. "
+        + (
+            "tp (no SP) holds the same bytes (sequence parallelism splits activations, not parameters). "
+            if same
+            else f"tp (no SP) holds {versus(no_sp)} (NOT tp's). "
+        )
+        + f"ddp x tp holds the same per process ({versus(ddp_tp)}: its second TP group is a data-parallel "
+        f"replica); fsdp x tp {versus(fsdp_tp)}: FSDP halves tp's share over the 2 data-parallel ranks, "
+        f"{fsdp_extra:+,.0f} B beside half of tp's parameters"
+        + (" (the embedding's odd row, as in fsdp)." if fsdp_extra == fsdp_alone_extra else ".")
+    )
+
+
+def tp_activation_finding(measured: dict[str, Measured], micro: dict[str, Any]) -> str:
+    """What tp's activation count holds (the probe), with and without sequence parallelism."""
+    ddp = measured[DATA_PARALLEL].first("activation_bytes")
+    runs = {
+        "SP": measured["tp"].first("activation_bytes"),
+        "no SP": measured["tp (no SP)"].first("activation_bytes"),
+    }
+    saved = {plan: micro[plan]["saved"] for plan in runs}
+    exact = all(saved[plan]["counted_bytes"] == runs[plan] for plan in runs)
+    sp = saved["SP"]
+    shapes = ", ".join(str(tuple(shape)) for shape in sp["parameter_shapes"])
+    aliases = "; ".join(f"{tuple(a)} and {tuple(b)}" for a, b in sp["again_shapes"])
+    overcount = {plan: (s["parameter_bytes"] + s["again_bytes"]) / runs[plan] for plan, s in saved.items()}
+    return (
+        f"- **tp's activations** read {mib(runs['SP'])} MiB (tp (no SP): {mib(runs['no SP'])}) against "
+        f"ddp's {mib(ddp)} MiB. The probe counts what autograd saves in the first micro-batch's forward the "
+        f"accountant's way: {sp['counted_bytes']:,} B with sequence parallelism, "
+        f"{saved['no SP']['counted_bytes']:,} without"
+        + (" (the runs' figures exactly)" if exact else " (NOT the runs' figures)")
+        + f". Of those, {sp['parameter_bytes']:,} B"
+        + (" (both)" if saved["no SP"]["parameter_bytes"] == sp["parameter_bytes"] else "")
+        + f" are the split weights' own local shards (shapes {shapes}: transposed views of all "
+        f"{len(sp['parameter_names'])} planned weights, which autograd saves for backward: the accountant "
+        "leaves parameters out by the identity of their base tensor, and the transpose DTensor makes of a "
+        f"shard inside its dispatch has no `_base` link to it, only the same storage), and "
+        f"{sp['again_bytes']:,} B are counted twice ({aliases}: one storage, neither tensor a view "
+        "(`_base`) of the other). Counting storages would get both right. By storage the forward saves "
+        f"{sp['held_bytes']:,} B with sequence parallelism ({sp['held_bytes'] / ddp:.3f} of ddp's) and "
+        f"{saved['no SP']['held_bytes']:,} B without ({saved['no SP']['held_bytes'] / ddp:.3f}): each rank "
+        "keeps its heads' queries, keys, values and attention output and its half of the MLP's hidden "
+        "units; the tensors around them (the blocks' inputs, the norms, the residual stream) whole on both "
+        "ranks without sequence parallelism, and as each rank's half of the positions with it, which saves "
+        f"{saved['no SP']['held_bytes'] - sp['held_bytes']:,} B here. The engine's figure overstates tp's "
+        f"by {overcount['SP']:.0%} (no SP: {overcount['no SP']:.0%}) here; ddp x tp's reads "
+        f"{mib(measured['ddp x tp'].first('activation_bytes'))} MiB, fsdp x tp's "
+        f"{mib(measured['fsdp x tp'].first('activation_bytes'))}."
+    )
+
+
+def tp_speed_findings(
+    measured: dict[str, Measured], tp_probes: dict[str, Any], facts: dict[str, int]
+) -> list[str]:
+    """What tp communicates per micro-batch and step against ddp (the probes), and what it costs here."""
+    micro = {plan: tp_probes["micro_batch"][plan]["calls"] for plan in ("no SP", "SP")}
+    steps = {row: tp_probes["steps"][row]["calls"] for row in ("tp", "tp (no SP)", "ddp", "ddp x tp")}
+    wanted = {plan: sum(n * each for n, each in tp_formula(facts, plan == "SP").values()) for plan in micro}
+    ratio_to_formula = {plan: sum(c["bytes"] for c in calls) / wanted[plan] for plan, calls in micro.items()}
+    counts = Counter(c["op"] for c in micro["SP"])
+    sent = {plan: (moved_per_rank(calls), gloo_sent(calls)) for plan, calls in micro.items()}
+    per_step = {row: (len(calls), gloo_sent(calls)) for row, calls in steps.items()}
+    shards = ", ".join(f"{c['bytes']:,} B" for c in steps["ddp x tp"] if is_gradient_reduce(c))
+    communication = (
+        "- **tp's communication** (the tables above): per micro-batch, without sequence parallelism "
+        f"{len(micro['no SP'])} all-reduces of {activation_size(facts):,} B, "
+        f"{ratio_to_formula['no SP']:.3f} of Megatron's formula; with it (the default) {counts[ALL_GATHER]} "
+        f"all-gathers of each rank's {activation_size(facts) // TP:,} B and {counts[REDUCE_SCATTER]} "
+        f"reduce-scatters of {activation_size(facts):,} B, {ratio_to_formula['SP']:.3f} of the formula. A "
+        f"ring sends {sent['no SP'][0]:,.0f} B per rank and micro-batch without it and {sent['SP'][0]:,.0f} "
+        "with it (the same, plus the ways in and out of the split); gloo, which all-reduces the whole "
+        f"tensor for a reduce-scatter, sends {sent['SP'][1]:,.0f}, {sent['SP'][1] / sent['no SP'][1]:.2f}x "
+        f"plain TP's, in {len(micro['SP']) / len(micro['no SP']):.2f}x its collectives. Per step (the step "
+        "table), through gloo: "
+        + ", ".join(f"{row} {n} collectives, {b:,.0f} B sent per rank" for row, (n, b) in per_step.items())
+        + f": tp (no SP) {per_step['tp (no SP)'][1] / per_step['ddp'][1]:.1f}x and tp "
+        f"{per_step['tp'][1] / per_step['ddp'][1]:.1f}x ddp's bytes. Each TP collective sits on the critical "
+        "path (the next layer needs its result), where DDP's buckets are reduced while backward runs. The "
+        "bytes grow with micro-batch x block x width and the number of blocks, not with the parameters: "
+        "tensor parallelism pays off where the matrices are large against the activations, over a fast "
+        "link. ddp x tp: each TP group trains on half the batch, so half the activation collectives per "
+        f"rank, plus one all-reduce of each rank's gradient values over its data-parallel group ({shards}: "
+        "its `grads_bytes`)."
+    )
+    return [communication, tp_throughput_finding(measured, per_step)]
+
+
+def tp_throughput_finding(measured: dict[str, Measured], per_step: dict[str, tuple[int, float]]) -> str:
+    def against_ddp(row: str) -> str:
+        extra = extra_ms(measured, row, "ddp")
+        per_collective = extra / (per_step[row][0] - per_step["ddp"][0])
+        return (
+            f"{row} {speed(measured, row):.0f} samples/s ({ratio(measured, row, 'ddp'):.2f}x ddp, "
+            f"{ratio(measured, row):.2f}x single; {extra:+.0f} ms a step against ddp"
+            + (f", {per_collective:.1f} ms per extra collective if it were all theirs)" if extra > 0 else ")")
+        )
+
+    pairs = zip(measured["tp"].steady, measured["tp (no SP)"].steady, strict=True)
+    return (
+        "- **tp's throughput** after warm-up: "
+        + ", ".join(against_ddp(row) for row in ("tp", "tp (no SP)"))
+        + f"; ddp {step_ms(measured, 'ddp'):.0f} ms a step. With sequence parallelism tp runs at "
+        f"{ranged([a / b for a, b in pairs], 2)}x its speed without (the rounds' ratios), with "
+        f"{per_step['tp'][0] / per_step['tp (no SP)'][0]:.2f}x the collectives and "
+        f"{per_step['tp'][1] / per_step['tp (no SP)'][1]:.2f}x gloo's bytes. Not broken down here: "
+        "DTensor's dispatch of every op on a split layer is in these times too. Expected on this machine: 2 "
+        "processes on 2 cores, gloo over loopback TCP, a tiny model; both ranks of a group also compute the "
+        "parts left whole (embeddings, head, loss; without sequence parallelism the norms too) for the whole "
+        "micro-batch, where ddp's ranks each take half the samples. What tp buys is memory (above), not "
+        f"speed, on a model this size. ddp x tp {speed(measured, 'ddp x tp'):.0f} and fsdp x tp "
+        f"{speed(measured, 'fsdp x tp'):.0f} samples/s ({ratio(measured, 'ddp x tp'):.2f}x and "
+        f"{ratio(measured, 'fsdp x tp'):.2f}x single): {2 * TP} processes on {os.cpu_count()} cores, two to "
+        "a core, so these say that 2D runs here, and what its bytes are, not what it costs."
+    )
+
+
+def rss_finding(measured: dict[str, Measured]) -> str:
+    ddp = measured[DATA_PARALLEL]
     rss = {
         name: statistics.median(entry.values("peak_memory_bytes")) / MIB for name, entry in measured.items()
     }
-    lines.append(
+    return (
         f"- **Peak RSS** is {min(rss.values()):.0f}-{max(rss.values()):.0f} MiB in every strategy: torch's "
         f"own footprint, next to a model state of {mib(sum(ddp.first(k) for k in BYTES))} MiB and "
         f"activations of {mib(ddp.first('activation_bytes'))} MiB. Against single: "
-        + ", ".join(f"{name} {round(rss[name] - rss[REFERENCE]):+d} MiB" for name in deltas)
+        + ", ".join(f"{name} {round(rss[name] - rss[REFERENCE]):+d} MiB" for name in rss if name != REFERENCE)
         + " (not broken down here: gloo and DDP's buckets; FSDP2's and DTensor's run-time state; the "
         "pipeline's tracing with torch.export and its schedule. Not imports: "
         "importing FSDP and torch.distributed.pipelining after `leantrain` adds no resident memory). On a "
         "model this small, sharding saves nothing visible in the process's memory; the byte counts above "
         "are the figures that scale with the model."
     )
-    return lines
 
 
 # ---------------------------------------------------------------------------------------
@@ -630,13 +1439,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every strategy (default 3)")
     add_output_options(parser, "smoke run: 1 round of 10 steps; writes only with --out", DEFAULT_OUT)
-    # Internal: the fsdp probe, started by torchrun.
+    # Internal: the probes, started by torchrun.
     parser.add_argument("--fsdp-probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tp-probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-tp", type=int, default=TP, help=argparse.SUPPRESS)
     parser.add_argument("--probe-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.fsdp_probe:
+    if args.fsdp_probe or args.tp_probe:
         if args.probe_out is None:
-            parser.error("--fsdp-probe needs --probe-out")
+            parser.error("a probe needs --probe-out")
         return args
     if args.quick:
         args.steps, args.rounds = 2 * LOG_EVERY, 1
@@ -651,17 +1462,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.fsdp_probe:
         fsdp_probe(args.probe_out)
         return 0
+    if args.tp_probe:
+        tp_probe(args.probe_out, args.probe_tp)
+        return 0
     started = time.perf_counter()
-    load_before = load_now()
+    context: dict[str, Any] = {"args": args, "load_before": load_now(), "commit_before": git_state()}
     with tempfile.TemporaryDirectory(prefix="leantrain-parallelism-bench-") as scratch:
         measured = measure(args.rounds, args.steps, Path(scratch))
         print("fsdp probe", file=sys.stderr, flush=True)
-        probe = run_probe(Path(scratch))
-        val_check = validation_check(
+        probes = {"fsdp": run_probe(Path(scratch))}
+        print("tp probes", file=sys.stderr, flush=True)
+        probes["tp"] = run_tp_probes(Path(scratch))
+        probes["val_check"] = validation_check(
             Path(measured[REFERENCE].first("out_dir")), measured["pipeline"].first("accumulation_steps")
         )
-    minutes = (time.perf_counter() - started) / 60
-    table = render(measured, probe, val_check, args, load_before, minutes)
+    context["minutes"] = (time.perf_counter() - started) / 60
+    context["commit_after"] = git_state()
+    table = render(measured, probes, context)
     publish(table, args.out)
     return 0
 
