@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import leantrain as lt
 from leantrain.examples.charlm import CharLMTask
@@ -108,3 +109,28 @@ def test_the_cli_prints_one_json_object_with_the_recommendation(tmp_path):
     assert split.stderr.strip().startswith(
         "leantrain: error: invalid tp=2: leantrain plan measures one process"
     )
+
+
+def test_saved_activations_count_memory_once_however_the_tensors_alias_it():
+    """Bugs (seen under --tp): two saved tensors sharing one storage without a ``_base`` link
+    (``detach``, ``DTensor.from_local``) counted twice; a DTensor weight's transposed copy, which
+    autograd saves, counted as an activation instead of as the parameter it is."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from leantrain.memory.accountant import SavedActivations
+    from tests.test_batch_norm import one_process_group
+
+    weight = torch.randn(4, 4, requires_grad=True)
+    values = torch.randn(4, 4)
+    with SavedActivations([weight]) as saved:
+        ((weight * values).sum() + (weight * values.detach()).sum()).backward()
+    assert saved.bytes == values.numel() * values.element_size()  # one storage, once
+
+    with one_process_group("gloo"):
+        mesh = init_device_mesh("cpu", (1,))
+        split = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+        inputs = distribute_tensor(torch.randn(2, 4), mesh, [Shard(0)])
+        with SavedActivations([split]) as saved:
+            torch.nn.functional.linear(inputs, split).sum().backward()
+        assert saved.bytes == inputs.to_local().numel() * inputs.to_local().element_size()

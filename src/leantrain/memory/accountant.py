@@ -16,7 +16,7 @@ tensor is counted once however many views of it exist: a view is counted as its 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any
@@ -39,6 +39,20 @@ def base_tensor(tensor: torch.Tensor) -> torch.Tensor:
     while tensor._base is not None:
         tensor = tensor._base
     return tensor
+
+
+def held_memory(tensor: torch.Tensor) -> tuple[Hashable, int]:
+    """What ``tensor`` holds, as a key that every tensor sharing that memory shares, and its bytes.
+
+    Real tensors: their storage (this process's shard of a DTensor). Views and aliases without a
+    ``_base`` link share it too: a DTensor's transposed weight, or an output that
+    ``DTensor.from_local`` wraps, which autograd saves beside the plain tensor it came from.
+    Tensors without memory (the meta device of ``leantrain plan``): their base tensor.
+    """
+    root = base_tensor(tensor)
+    if root.device.type != "meta" and (storage := root.untyped_storage()).data_ptr():
+        return ("storage", root.device, storage.data_ptr()), storage.nbytes()
+    return ("tensor", id(root)), root.numel() * root.element_size()
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -85,17 +99,17 @@ class SavedActivations:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = (), limit: int | None = None) -> None:
-        self._exclude = {id(base_tensor(t)) for t in exclude}
-        self._seen: dict[int, torch.Tensor] = {}
+        self._exclude = {held_memory(t)[0] for t in exclude}
+        self._seen: dict[Hashable, torch.Tensor] = {}  # referenced while the block runs: no key reused
         self.limit = limit
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        root = base_tensor(tensor)
-        if id(root) not in self._exclude and id(root) not in self._seen:
-            self._seen[id(root)] = root
-            self.bytes += root.numel() * root.element_size()
+        key, size = held_memory(tensor)
+        if key not in self._exclude and key not in self._seen:
+            self._seen[key] = tensor
+            self.bytes += size
             if self.limit is not None and self.bytes > self.limit:
                 raise torch.OutOfMemoryError(
                     f"simulated out of memory: a micro-batch saves over {format_bytes(self.bytes)} for "
