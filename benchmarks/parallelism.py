@@ -380,9 +380,10 @@ def gloo_shapes(profiler: profile) -> list[list[Any]]:
 
 
 class SavedTensors:
-    """What autograd saves in one forward, counted as the engine's accountant counts it (each tensor
-    once, as its base; the parameters left out by identity) and split into what that count holds:
-    tensors on a parameter's storage, tensors on a storage counted already, and the rest."""
+    """What autograd saves in one forward, counted as the engine's accountant counted it before it
+    counted storages (each tensor once, as its base; the parameters left out by identity) and split
+    into what that count holds: tensors on a parameter's storage, tensors on a storage counted
+    already, and the rest (by storage: what the engine counts now)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.parameter_ids = {id(base_tensor(p)) for p in model.parameters()}
@@ -1311,32 +1312,31 @@ def tp_activation_finding(measured: dict[str, Measured], micro: dict[str, Any]) 
         "no SP": measured["tp (no SP)"].first("activation_bytes"),
     }
     saved = {plan: micro[plan]["saved"] for plan in runs}
-    exact = all(saved[plan]["counted_bytes"] == runs[plan] for plan in runs)
-    sp = saved["SP"]
+    exact = all(saved[plan]["held_bytes"] == runs[plan] for plan in runs)
+    sp, whole = saved["SP"], saved["no SP"]
     shapes = ", ".join(str(tuple(shape)) for shape in sp["parameter_shapes"])
     aliases = "; ".join(f"{tuple(a)} and {tuple(b)}" for a, b in sp["again_shapes"])
-    overcount = {plan: (s["parameter_bytes"] + s["again_bytes"]) / runs[plan] for plan, s in saved.items()}
+    overcount = (sp["parameter_bytes"] + sp["again_bytes"]) / sp["held_bytes"]
     return (
         f"- **tp's activations** read {mib(runs['SP'])} MiB (tp (no SP): {mib(runs['no SP'])}) against "
-        f"ddp's {mib(ddp)} MiB. The probe counts what autograd saves in the first micro-batch's forward the "
-        f"accountant's way: {sp['counted_bytes']:,} B with sequence parallelism, "
-        f"{saved['no SP']['counted_bytes']:,} without"
-        + (" (the runs' figures exactly)" if exact else " (NOT the runs' figures)")
-        + f". Of those, {sp['parameter_bytes']:,} B"
-        + (" (both)" if saved["no SP"]["parameter_bytes"] == sp["parameter_bytes"] else "")
-        + f" are the split weights' own local shards (shapes {shapes}: transposed views of all "
-        f"{len(sp['parameter_names'])} planned weights, which autograd saves for backward: the accountant "
-        "leaves parameters out by the identity of their base tensor, and the transpose DTensor makes of a "
-        f"shard inside its dispatch has no `_base` link to it, only the same storage), and "
-        f"{sp['again_bytes']:,} B are counted twice ({aliases}: one storage, neither tensor a view "
-        "(`_base`) of the other). Counting storages would get both right. By storage the forward saves "
-        f"{sp['held_bytes']:,} B with sequence parallelism ({sp['held_bytes'] / ddp:.3f} of ddp's) and "
-        f"{saved['no SP']['held_bytes']:,} B without ({saved['no SP']['held_bytes'] / ddp:.3f}): each rank "
-        "keeps its heads' queries, keys, values and attention output and its half of the MLP's hidden "
-        "units; the tensors around them (the blocks' inputs, the norms, the residual stream) whole on both "
-        "ranks without sequence parallelism, and as each rank's half of the positions with it, which saves "
-        f"{saved['no SP']['held_bytes'] - sp['held_bytes']:,} B here. The engine's figure overstates tp's "
-        f"by {overcount['SP']:.0%} (no SP: {overcount['no SP']:.0%}) here; ddp x tp's reads "
+        f"ddp's {mib(ddp)} MiB. The probe counts by storage what autograd saves in the first micro-batch's "
+        f"forward: {sp['held_bytes']:,} B with sequence parallelism ({sp['held_bytes'] / ddp:.3f} of ddp's) "
+        f"and {whole['held_bytes']:,} B without ({whole['held_bytes'] / ddp:.3f})"
+        + (
+            " (the runs' figures exactly: the engine counts by storage)"
+            if exact
+            else " (NOT the runs' figures)"
+        )
+        + ": each rank keeps its heads' queries, keys, values and attention output and its half of the MLP's "
+        "hidden units; the tensors around them (the blocks' inputs, the norms, the residual stream) whole on "
+        "both ranks without sequence parallelism, and as each rank's half of the positions with it, which "
+        f"saves {whole['held_bytes'] - sp['held_bytes']:,} B here. Counted by the identity of base tensors "
+        f"(the engine's way before it counted storages), the same forward reads {sp['counted_bytes']:,} B "
+        f"and {whole['counted_bytes']:,} B, {overcount:.0%} too much: {sp['parameter_bytes']:,} B of the "
+        f"split weights' own local shards (shapes {shapes}: transposed views of all "
+        f"{len(sp['parameter_names'])} planned weights, which autograd saves for backward, made by DTensor "
+        f"without a `_base` link to the parameter) and {sp['again_bytes']:,} B counted twice ({aliases}: "
+        "one storage, neither tensor a view of the other). ddp x tp's reads "
         f"{mib(measured['ddp x tp'].first('activation_bytes'))} MiB, fsdp x tp's "
         f"{mib(measured['fsdp x tp'].first('activation_bytes'))}."
     )

@@ -44,14 +44,17 @@ def base_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def held_memory(tensor: torch.Tensor) -> tuple[Hashable, int]:
     """What ``tensor`` holds, as a key that every tensor sharing that memory shares, and its bytes.
 
-    Real tensors: their storage (this process's shard of a DTensor). Views and aliases without a
-    ``_base`` link share it too: a DTensor's transposed weight, or an output that
-    ``DTensor.from_local`` wraps, which autograd saves beside the plain tensor it came from.
-    Tensors without memory (the meta device of ``leantrain plan``): their base tensor.
+    Real tensors: their storage object (this process's shard of a DTensor). Views and aliases
+    without a ``_base`` link share it too: a DTensor's transposed weight, or an output that
+    ``DTensor.from_local`` wraps, which autograd saves beside the plain tensor it came from. The
+    object, not its address: FSDP frees a saved gathered weight's memory after the block's
+    forward, and the next block's may get the same address. Tensors without memory (the meta
+    device of ``leantrain plan``): their base tensor.
     """
     root = base_tensor(tensor)
-    if root.device.type != "meta" and (storage := root.untyped_storage()).data_ptr():
-        return ("storage", root.device, storage.data_ptr()), storage.nbytes()
+    if root.device.type != "meta":
+        storage = root.untyped_storage()
+        return ("storage", storage._cdata), storage.nbytes()
     return ("tensor", id(root)), root.numel() * root.element_size()
 
 
