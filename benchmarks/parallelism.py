@@ -66,7 +66,7 @@ from torch.utils.data import default_collate
 import leantrain as lt
 from _common import add_output_options, cpu_model, git_state, load_now, output_path, publish, ranged
 from leantrain.examples.charlm import Block, CharLMTask
-from leantrain.memory.accountant import base_tensor
+from leantrain.memory.accountant import base_tensor, held_memory
 from leantrain.strategies.base import Example
 from leantrain.strategies.ddp import Distributed
 from leantrain.strategies.dims import ParallelDims
@@ -262,8 +262,8 @@ def fsdp_probe(out: Path) -> None:
     """Shard charlm as ``--strategy fsdp`` does; after one training forward, sort what autograd
     saved into the tensors whose storage is still allocated and those FSDP freed.
 
-    Counted as the engine's accountant counts (``leantrain.memory.accountant``): each saved
-    tensor once, as its base; the model's parameters (here the local shards) left out.
+    Counted as the engine's accountant counts (``leantrain.memory.accountant.held_memory``): each
+    saved storage once; the model's parameters (here the local shards) left out.
     """
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -274,13 +274,13 @@ def fsdp_probe(out: Path) -> None:
         config = lt.TrainConfig(strategy="fsdp", global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH)
         plan = FullyShard(config, torch.device("cpu"), ParallelDims(dp=dist.get_world_size()))
         plan.wrap(model, None)
-        exclude = {id(base_tensor(p)) for p in plan.model.parameters()}
-        saved: dict[int, torch.Tensor] = {}
+        exclude = {held_memory(p)[0] for p in plan.model.parameters()}
+        saved: dict[Any, tuple[torch.Tensor, int]] = {}  # storage -> (a tensor on it, its bytes)
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            root = base_tensor(tensor)
-            if id(root) not in exclude:
-                saved.setdefault(id(root), root)
+            key, size = held_memory(tensor)
+            if key not in exclude:
+                saved.setdefault(key, (base_tensor(tensor), size))
             return tensor
 
         data = task.train_data()
@@ -288,11 +288,11 @@ def fsdp_probe(out: Path) -> None:
         plan.module.train()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             loss = task.loss(plan.module, batch)
-        freed = [t for t in saved.values() if t.untyped_storage().nbytes() == 0]
-        shapes = sorted({tuple(t.shape) for t in freed})
+        freed = [(t, size) for t, size in saved.values() if t.untyped_storage().nbytes() == 0]
+        shapes = sorted({tuple(t.shape) for t, _ in freed})
         result = {
-            "counted_bytes": sum(t.numel() * t.element_size() for t in saved.values()),
-            "freed_bytes": sum(t.numel() * t.element_size() for t in freed),
+            "counted_bytes": sum(size for _, size in saved.values()),
+            "freed_bytes": sum(size for _, size in freed),
             "freed_tensors": len(freed),
             "freed_shapes": [list(shape) for shape in shapes],
             "block_param_bytes": sum(
