@@ -19,8 +19,8 @@ LAYERS = [
                 "stop_signals", "checkpoint", "bounded_read", "remote", "adapters"]),
     ("step", ["step"]),
     ("pieces", ["strategies", "data", "memory", "log", "launch", "diagnose.advice", "diagnose.flops",
-                "diagnose.probe", "diagnose.syncs", "diagnose.timer", "diagnose.nan_origin", "examples",
-                "extensions"]),
+                "diagnose.probe", "diagnose.syncs", "diagnose.timer", "diagnose.nan_origin",
+                "diagnose.collectives", "examples", "extensions"]),
     ("run", ["run", "trainer"]),
     ("commands", ["diagnose", "cli", "entry", "__main__", ""]),
 ]  # fmt: skip
