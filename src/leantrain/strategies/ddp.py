@@ -13,9 +13,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from leantrain.strategies.base import Example, Strategy
-from leantrain.strategies.process_group import Collectives
+from leantrain.strategies.process_group import Collectives, all_reduce_in_place
 from leantrain.strategies.sync_batch_norm import SyncsBatchNorm
-from leantrain.strategies.tensor_parallel import TensorParallel, average_over_data
+from leantrain.strategies.tensor_parallel import TensorParallel
 
 
 class Distributed(SyncsBatchNorm, Collectives):
@@ -83,4 +83,4 @@ class DistributedTensorParallel(TensorParallel, Distributed):
         super().finish_gradients(params)  # the group's own sums first
         grads = [p.grad for p in params if p.grad is not None]
         if self.dims.dp > 1 and grads:
-            average_over_data(grads, self.data_group, self.dims.dp)
+            all_reduce_in_place(grads, self.data_group, divide_by=self.dims.dp)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from leantrain.cluster import ClusterEnv
+from leantrain.step.local_values import local_values
 from leantrain.strategies.base import Strategy
 
 
@@ -36,6 +37,22 @@ class Collectives(Strategy):
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, value)
         return gathered
+
+
+def all_reduce_in_place(tensors: list[torch.Tensor], group: Any, divide_by: int = 1) -> None:
+    """Replace each tensor's values (a DTensor's local shard) by their sum over ``group``, divided by
+    ``divide_by`` (a mean): one flat all-reduce per dtype, not one per tensor."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for local in local_values(tensors):
+        by_dtype.setdefault(local.dtype, []).append(local)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=group)
+        if divide_by != 1:
+            flat /= divide_by
+        torch._foreach_copy_(same, list(_unflatten_dense_tensors(flat, same)))
 
 
 def init_process_group(env: ClusterEnv, device: torch.device, timeout: timedelta | None = None) -> bool:

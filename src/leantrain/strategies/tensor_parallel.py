@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from leantrain.adapters import trained_parameters
 from leantrain.checkpoint import tied_aliases
@@ -35,10 +34,9 @@ from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError
 from leantrain.step.accumulator import LossFn, MicroLoss, TermFn
 from leantrain.step.evaluation import LossAndMetrics
-from leantrain.step.local_values import local_values
 from leantrain.step.precision import Precision
 from leantrain.strategies.base import Example
-from leantrain.strategies.process_group import Collectives
+from leantrain.strategies.process_group import Collectives, all_reduce_in_place
 from leantrain.strategies.sequence import add_sequence_moves
 from leantrain.strategies.sharded_state import ShardedState
 from leantrain.strategies.split_logits import SplitLogits
@@ -62,6 +60,7 @@ class TensorParallel(ShardedState, Collectives):
     split_modules: tuple[str, ...] = ()  # the modules the plan splits (each rank computes 1/tp of them)
     split_logits: SplitLogits = SplitLogits(nn.Module(), None)  # made by ``apply_plan``
     _agreement_checked = False  # whether the first step's gradients were checked (finish_gradients)
+    _pending: list[nn.Parameter] | None = None  # parameters whose gradient DTensor leaves Partial
 
     @classmethod
     def check(cls, cfg: TrainConfig, world_size: int | None) -> None:
@@ -134,17 +133,14 @@ class TensorParallel(ShardedState, Collectives):
         """Sum the parts of the gradients of ``replicated_with_grad_allreduce`` modules over the
         group, and DTensor's pending sums (a norm under sequence parallelism: each rank's positions
         give a part); at the first step, check that every whole parameter's gradient agrees."""
-        for param in params:
-            grad = param.grad
-            if grad is not None and any(p.is_partial() for p in getattr(grad, "placements", ())):
-                param.grad = grad.redistribute(grad.device_mesh, param.placements)  # type: ignore[attr-defined]
+        if self._pending is None:  # the same parameters every step: found once
+            self._pending = [p for p in params if p.grad is not None and _has_pending_sum(p.grad)]
+        for param in self._pending:
+            if param.grad is not None:
+                param.grad = param.grad.redistribute(param.grad.device_mesh, param.placements)  # type: ignore[attr-defined]
         group = self.mesh["tp"].get_group()
         parts = [p.grad for name in self.summed for p in self.model.get_submodule(name).parameters()]
-        parts = local_values(grad for grad in parts if grad is not None)
-        if parts:
-            flat = _flatten_dense_tensors(parts)
-            dist.all_reduce(flat, group=group)
-            torch._foreach_copy_(parts, list(_unflatten_dense_tensors(flat, parts)))
+        all_reduce_in_place([grad for grad in parts if grad is not None], group)
         if not self._agreement_checked:
             self._agreement_checked = True
             _check_whole_gradients_agree(self.model, group, self.comm_device, self.cfg.tp)
@@ -229,20 +225,11 @@ def _check_whole_gradients_agree(
             )
 
 
+def _has_pending_sum(grad: torch.Tensor) -> bool:
+    return any(placement.is_partial() for placement in getattr(grad, "placements", ()))
+
+
 def _split(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is split over the tensor-parallel dimension (a planned parameter)."""
     names = getattr(getattr(tensor, "device_mesh", None), "mesh_dim_names", None) or ()
     return "tp" in names
-
-
-def average_over_data(grads: list[torch.Tensor], group: dist.ProcessGroup, size: int) -> None:
-    """Replace each gradient's local values by their mean over the data-parallel ``group``: one flat
-    all-reduce per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for local in local_values(grads):
-        by_dtype.setdefault(local.dtype, []).append(local)
-    for locals_ in by_dtype.values():
-        flat = _flatten_dense_tensors(locals_)
-        dist.all_reduce(flat, group=group)
-        flat /= size
-        torch._foreach_copy_(locals_, list(_unflatten_dense_tensors(flat, locals_)))

@@ -49,7 +49,7 @@ from leantrain.strategies.pipeline.stages import (
     shared_names,
     traced_pipe,
 )
-from leantrain.strategies.process_group import Collectives
+from leantrain.strategies.process_group import Collectives, all_reduce_in_place
 from leantrain.strategies.sharded_state import ShardedState
 from leantrain.task import LossSum
 
@@ -192,10 +192,7 @@ class Pipeline(ShardedState, Collectives):
         self._sum_tied_gradients(params)
         grads = [p.grad for p in params if p.grad is not None]
         if self.dims.dp > 1 and grads:
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.dims.dp
-            torch._foreach_copy_(grads, list(_unflatten_dense_tensors(flat, grads)))
+            all_reduce_in_place(grads, self.dp_group, divide_by=self.dims.dp)
 
     def _sum_tied_gradients(self, params: list[torch.Tensor]) -> None:
         """Each stage holding a tied weight (or a copy) gets the sum of every use's gradient."""
