@@ -21,7 +21,7 @@ LAYERS = [
     ("pieces", ["strategies", "data", "memory", "log", "launch", "diagnose.advice", "diagnose.flops",
                 "diagnose.probe", "diagnose.syncs", "diagnose.timer", "diagnose.nan_origin",
                 "diagnose.collectives", "examples", "extensions"]),
-    ("run", ["run", "trainer"]),
+    ("run", ["run", "trainer", "simulate"]),
     ("commands", ["diagnose", "cli", "entry", "__main__", ""]),
 ]  # fmt: skip
 
