@@ -119,7 +119,7 @@ def first_update_norm(fit, recorder: Recorder, **fields) -> float:
     task = RemembersItsStart()
     result = fit(task, callbacks=[recorder], global_batch_size=16, max_steps=1, log_every_n_steps=1, **fields)
     pairs = zip(result.model.parameters(), task.initial, strict=True)
-    return float(sum((p.detach() - q).pow(2).sum() for p, q in pairs)) ** 0.5
+    return float(sum((p.detach().cpu() - q).pow(2).sum() for p, q in pairs)) ** 0.5  # q: built on the CPU
 
 
 def test_gradient_clipping_logs_the_norm_and_bounds_the_update(fit):

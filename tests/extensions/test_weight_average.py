@@ -109,7 +109,7 @@ def test_validating_the_average_scores_it_and_leaves_training_untouched(tmp_path
     plain = train(tmp_path / "plain", WithValidation())
     scored = train(tmp_path / "scored", WithValidation(), ema_validate=True)
     trained = load_file(tmp_path / "plain" / "model.safetensors")
-    assert all(torch.equal(scored.model.state_dict()[k], v) for k, v in trained.items())  # swapped back
+    assert all(torch.equal(scored.model.state_dict()[k].cpu(), v) for k, v in trained.items())  # swapped back
     task = WithValidation()
     model = task.model()
     model.load_state_dict(load_file(tmp_path / "scored" / "ema.safetensors"))
