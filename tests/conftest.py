@@ -26,6 +26,12 @@ _OTHER_PATHS = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if
 os.environ["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, *_OTHER_PATHS])
 
 
+def python_path(*first: str | Path) -> str:
+    """PYTHONPATH for a process a test starts: ``first``, then this process's (the source tree, and
+    the user's entries: packages installed there, jsonargparse say, must stay importable)."""
+    return os.pathsep.join([*map(str, first), os.environ["PYTHONPATH"]])
+
+
 class RegressionTask:
     """A float64 MLP on random data; ``loss_kind`` picks a mean loss or a LossSum.
 

@@ -16,6 +16,7 @@ from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError
 from leantrain.run import watchdog as watchdog_module
 from leantrain.run.watchdog import HANG_EXIT_CODE, Heartbeat, Watchdog, describe, process_group_timeout
+from tests.conftest import python_path
 
 LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
 
@@ -158,7 +159,7 @@ def test_a_hung_fit_ends_by_itself_with_exit_code_75(tmp_path):
         [LEANTRAIN, "fit", "--task", "hangs:Hangs", "--hang-timeout", "1", "--out", str(tmp_path / "run"),
          "--progress", "none", "--logger", "none"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": f"{tmp_path}:{Path(__file__).parent.parent}"},
+        env={**os.environ, "PYTHONPATH": python_path(tmp_path, Path(__file__).parent.parent)},
     )  # fmt: skip
     assert done.returncode == HANG_EXIT_CODE, done.stderr
     assert time.monotonic() - started < 60

@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 from leantrain.cli import build_parser, main
+from tests.conftest import python_path
 
 LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
 
@@ -247,7 +248,8 @@ def test_a_nan_loss_prints_one_line_naming_the_step_and_the_saved_state(tmp_path
         [LEANTRAIN, "fit", "--task", "tests.distributed.tasks:nan_in_second_half_of_step3",
          "--global-batch-size", "16", "--micro-batch-size", "8", "--max-steps", "6", "--progress", "none",
          "--out", str(tmp_path / "x")],
-        cwd=repo, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(repo)},
+        cwd=repo, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": python_path(repo)},
     )  # fmt: skip
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from leantrain.errors import LeantrainError
 from leantrain.launch.slurm import SlurmOptions, sbatch_script
+from tests.conftest import python_path
 
 LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
 REPO = Path(__file__).parents[2]
@@ -135,7 +136,7 @@ def test_time_limit_signal_checkpoints_requeues_and_the_job_resumes_exactly(tmp_
     env = {
         **os.environ,
         "PATH": f"{bin_dir}:/usr/bin:/bin",
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": python_path(REPO),
         "OMP_NUM_THREADS": "1",
         "CUDA_VISIBLE_DEVICES": "",  # two gloo ranks on the CPU, also on a machine with one GPU
         "SLURM_JOB_ID": "4242",
