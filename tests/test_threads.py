@@ -59,7 +59,10 @@ def test_the_launchers_own_share_may_still_be_lowered(four_default_threads, monk
 @pytest.mark.parametrize(("workers", "expected"), [(0, 4), (1, 3), (2, 2)])
 def test_fit_trains_with_what_the_workers_leave(four_default_threads, tmp_path, capsys, workers, expected):
     threads = ReadEachStep(torch.get_num_threads)
-    config = quiet_config(tmp_path, global_batch_size=32, max_steps=4, num_workers=workers, progress="plain")
+    # On the CPU: a run on a GPU leaves the threads alone (its compute is not on the cores the workers use).
+    config = quiet_config(
+        tmp_path, global_batch_size=32, max_steps=4, num_workers=workers, progress="plain", device="cpu"
+    )
     result = lt.Trainer(config, callbacks=[threads]).fit(RegressionTask())
     assert threads.seen() == {expected} and result.compute_threads == expected
     assert torch.get_num_threads() == 4  # put back after the run
