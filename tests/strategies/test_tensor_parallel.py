@@ -123,9 +123,9 @@ def test_a_transformers_model_brings_its_own_plan_under_its_prefix():
     chosen = planned_modules(model, plan, 2)
     assert chosen["model.layers.1.self_attn.q_proj"] == "colwise"
     assert chosen["model.layers.0.mlp.down_proj"] == "rowwise"
-    assert (
-        chosen["lm_head"] == "colwise_gather_output" and chosen["model.embed_tokens"] == "embedding_rowwise"
-    )
+    assert chosen["lm_head"] == "colwise_gather_output"
+    # transformers 5.24 splits the embedding too; 5.17 and 5.18 leave it whole (their plan has no entry).
+    assert chosen.get("model.embed_tokens", "embedding_rowwise") == "embedding_rowwise"
     # GPT-2 ships no plan (its fused Conv1D attention has none): one line says what to give.
     gpt2 = _causal_lm("gpt2", block=16, layers=2, heads=4, width=32, dropout=0.0)
     with pytest.raises(
@@ -144,7 +144,9 @@ def test_a_transformers_model_brings_its_own_plan_under_its_prefix():
             2,
             "plan entry blocks.0: colwise splits an nn.Linear or nn.Embedding, not Block",
         ),
-        ({"token": "rowwise"}, 2, "must divide token's 103 features that rowwise splits"),
+        # An embedding's rows; not token's: the alphabet of the pydoc text is Python's (103 characters
+        # in 3.11, even in 3.12).
+        ({"position": "rowwise"}, 3, "must divide position's 16 features that rowwise splits"),
         ({"blocks.*.qkv": "colwise"}, 8, "invalid tp=8: must divide the 4 attention heads of blocks.0.heads"),
         ({"blocks.*.mlp.0": "colwise"}, 3, "must divide blocks.0.mlp.0's 128 features that colwise splits"),
     ],
