@@ -157,5 +157,8 @@ def test_compiling_the_decoder_layers_compiles_each_once_and_trains_the_same_wei
     torch._dynamo.reset()
     assert compiled.compile_seconds > 0
     assert [event.line() for event in compiled.compiler_events] == []  # no layer compiled twice
+    # Inductor's kernels sum in another order than eager's: 1e-5 on the CPU; on an H100 (Triton
+    # kernels) Llama differed by 1.2e-5, a thousandth of the 3 AdamW steps' movement (lr 3e-3).
+    tolerance = 1e-5 if next(compiled.model.parameters()).device.type == "cpu" else 1e-4
     for name, tensor in weights(plain).items():
-        assert float((weights(compiled)[name] - tensor).abs().max()) <= 1e-5, name
+        assert float((weights(compiled)[name] - tensor).abs().max()) <= tolerance, name
