@@ -139,9 +139,11 @@ class Pipeline(ShardedState, Collectives):
             )
         schedule_class = Schedule1F1B if self.cfg.pipeline_schedule == "1f1b" else ScheduleGPipe
         self.split, self.precision = split, precision
-        self.schedule = schedule_class(
+        self._new_schedule = lambda: schedule_class(
             self.stage, n_microbatches=k, loss_fn=self._last_stage_loss, scale_grads=False
         )
+        self.schedule = self._new_schedule()
+        self._schedule_trained = False  # whether the schedule ran a training step
         self._micro: list[Any] = []
         self._loss_fn: LossFn | None = None
         self._term: TermFn | None = None
@@ -161,6 +163,7 @@ class Pipeline(ShardedState, Collectives):
         micro = [next(batches) for _ in range(count)]
         before_last_backward()  # the schedule interleaves backwards: agree before any
         self._term = term
+        self._schedule_trained = True
         self._run_schedule(micro, loss_fn, self.schedule.step)
         return [self._results[index] for index in range(count)] if self.is_last else []
 
@@ -269,6 +272,13 @@ class Pipeline(ShardedState, Collectives):
                 yield from run(group)
         finally:
             self.model.train(was_training)
+            if not self._schedule_trained:
+                # A schedule prepares its stage once, for what it runs first. torch 2.11's, prepared
+                # by eval() (the stage's received activations need no gradient), failed at its first
+                # training step: "for chunk 0 has gradients None and is expecting to send gradients
+                # to stage 0" (later torch prepares it again). Validating before any step (a metric
+                # other than val_loss is checked on one batch) leaves a fresh one to training.
+                self.schedule = self._new_schedule()
 
 
 def _padded_rows(batch: Any, samples: int, rows: int) -> Any:

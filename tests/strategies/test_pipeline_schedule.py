@@ -1,0 +1,75 @@
+"""The pipeline's schedule, in one process (the stages' runs: tests/distributed/test_pipeline.py)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import ClassVar
+
+import torch
+import torch.distributed.pipelining as pipelining
+from torch import nn
+
+import leantrain as lt
+from leantrain.step.batching import BatchSplit
+from leantrain.strategies.dims import ParallelDims
+from leantrain.strategies.pipeline import Pipeline
+
+
+class RecordingSchedule:
+    """What a schedule ran first: torch prepares a stage once, for that (``eval`` or ``step``)."""
+
+    made: ClassVar[list[RecordingSchedule]] = []
+
+    def __init__(self, stage, n_microbatches, loss_fn, scale_grads) -> None:
+        self.ran: list[str] = []
+        RecordingSchedule.made.append(self)
+
+    def eval(self, *args, **kwargs) -> None:
+        self.ran.append("eval")
+
+    def step(self, *args, **kwargs) -> None:
+        self.ran.append("step")
+
+
+class Precision:
+    def autocast(self):
+        return nullcontext()
+
+
+def middle_stage(monkeypatch) -> Pipeline:
+    """Stage 1 of 3 (neither first nor last: it feeds the schedule nothing), its schedule recorded."""
+    RecordingSchedule.made = []
+    monkeypatch.setattr(pipelining, "ScheduleGPipe", RecordingSchedule)
+    pipeline = Pipeline(lt.TrainConfig(pipeline_schedule="gpipe"), torch.device("cpu"), ParallelDims(pp=3))
+    pipeline.stage, pipeline.model = None, nn.Linear(3, 3)
+    pipeline.is_first = pipeline.is_last = False
+    pipeline.prepare_step(BatchSplit(4, 2), Precision())  # type: ignore[arg-type]
+    return pipeline
+
+
+def validate(pipeline: Pipeline) -> None:
+    batches = [torch.zeros(2, 3)] * 2
+    assert list(pipeline.forward_only(lambda model, batch: None, batches, pipeline.precision)) == []
+
+
+def train(pipeline: Pipeline) -> None:
+    no_agreement = lambda: None  # noqa: E731
+    pipeline.forward_backward(lambda m, b: None, iter([torch.zeros(2, 3)] * 2), 2, None, None, no_agreement)
+
+
+def test_a_validation_before_the_first_step_leaves_the_step_a_schedule_that_ran_nothing(monkeypatch):
+    """torch 2.11 prepared a stage for what its schedule ran first: after eval(), the first training
+    step failed ("for chunk 0 has gradients None and is expecting to send gradients to stage 0");
+    a validation before training checks a metric's name (--early-stop-metric val_abs_error)."""
+    pipeline = middle_stage(monkeypatch)
+    validate(pipeline)
+    train(pipeline)
+    assert [schedule.ran for schedule in RecordingSchedule.made] == [["eval"], ["step"]]
+
+
+def test_validations_after_training_keep_its_schedule(monkeypatch):
+    pipeline = middle_stage(monkeypatch)
+    train(pipeline)
+    validate(pipeline)
+    train(pipeline)
+    assert [schedule.ran for schedule in RecordingSchedule.made] == [["step", "eval", "step"]]
