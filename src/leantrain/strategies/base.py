@@ -108,6 +108,9 @@ class Strategy:
         self.model: nn.Module = nn.Module()  # the unwrapped model (or stage): state dicts, weights
         self.module: nn.Module = self.model  # what forward and backward run on
         self.notes: list[str] = []  # what ``wrap`` decided, for the run log
+        # ``leantrain plan --cluster`` runs the strategy on fake tensors over a fake process group
+        # (``simulate/``): what reads values (a check, a C++ reducer) steps aside while this is set.
+        self.planning = False
 
     def wrap(self, model: nn.Module, example: Example | None) -> None:
         """Place or wrap the model (``example``: for strategies that trace it)."""

@@ -27,7 +27,11 @@ class Distributed(SyncsBatchNorm, Collectives):
         self._hook: Callable[..., Any] | None = None
         self.module = self._wrapped()
 
-    def _wrapped(self) -> DistributedDataParallel:
+    def _wrapped(self) -> nn.Module:
+        if self.planning:
+            # DDP's C++ reducer cannot hold fake tensors. With gradients as bucket views it holds no
+            # memory beyond the gradients', so the plan runs the model as it is.
+            return self.model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Gradients as views into the all-reduce buckets: no copy between them after each
         # all-reduce, and one gradient-sized buffer less.
@@ -45,6 +49,12 @@ class Distributed(SyncsBatchNorm, Collectives):
         gc.collect()
         self.module = self._wrapped()
 
+    def finish_gradients(self, params: list[torch.Tensor]) -> None:
+        if self.planning:  # no reducer (see ``_wrapped``): its all-reduce, in place, for the plan to see
+            for param in params:
+                if param.grad is not None:
+                    torch.distributed.all_reduce(param.grad)
+
     def register_comm_hook(self, hook: Callable[..., Any]) -> None:
         self._hook = hook
         self.module.register_comm_hook(None, hook)
@@ -52,7 +62,7 @@ class Distributed(SyncsBatchNorm, Collectives):
     def no_sync(self) -> AbstractContextManager[Any]:
         # Gradients of non-final micro-batches only accumulate locally; the all-reduce
         # runs once, during the final micro-batch's backward.
-        return self.module.no_sync()  # type: ignore[operator]
+        return nullcontext() if self.planning else self.module.no_sync()  # type: ignore[operator]
 
     @classmethod
     def with_tensor_parallel(cls) -> type[Strategy]:

@@ -73,7 +73,18 @@ class ParallelDims:
 
     def mesh(self, device_type: str) -> torch.distributed.DeviceMesh:
         """``("dp", "pp")`` with a pipeline, else ``("dp", "tp")``."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         inner = ("pp", self.pp) if self.pp > 1 else ("tp", self.tp)
-        return init_device_mesh(device_type, (self.dp, inner[1]), mesh_dim_names=("dp", inner[0]))
+        return device_mesh(device_type, (self.dp, inner[1]), ("dp", inner[0]))
+
+
+def device_mesh(
+    device_type: str, shape: tuple[int, ...], names: tuple[str, ...] | None = None
+) -> torch.distributed.DeviceMesh:
+    """A device mesh over the default process group, of real tensors also under a fake tensor mode:
+    ``leantrain plan --cluster`` applies the strategies to a model of fake tensors, and a mesh of fake
+    rank numbers could not be read back."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with unset_fake_temporarily():
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)

@@ -35,6 +35,7 @@ from leantrain.adapters import trained_parameters
 from leantrain.blocks import BlockPolicy, block_classes, matching_blocks
 from leantrain.config import TrainConfig
 from leantrain.strategies.base import Example, Strategy
+from leantrain.strategies.dims import device_mesh
 from leantrain.strategies.process_group import Collectives
 from leantrain.strategies.sharded_state import ShardedState
 from leantrain.strategies.sync_batch_norm import SyncsBatchNorm
@@ -81,9 +82,7 @@ class FullyShard(ShardedState, SyncsBatchNorm, Collectives):
 
     def shard_mesh(self) -> Any:
         """The mesh the parameters are sharded over: every process."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        return init_device_mesh(self.device.type, (torch.distributed.get_world_size(),))
+        return device_mesh(self.device.type, (torch.distributed.get_world_size(),))
 
     @classmethod
     def with_tensor_parallel(cls) -> type[Strategy]:

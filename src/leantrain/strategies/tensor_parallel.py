@@ -141,7 +141,7 @@ class TensorParallel(ShardedState, Collectives):
         group = self.mesh["tp"].get_group()
         parts = [p.grad for name in self.summed for p in self.model.get_submodule(name).parameters()]
         all_reduce_in_place([grad for grad in parts if grad is not None], group)
-        if not self._agreement_checked:
+        if not self._agreement_checked and not self.planning:  # fake gradients have no values
             self._agreement_checked = True
             _check_whole_gradients_agree(self.model, group, self.comm_device, self.cfg.tp)
 
