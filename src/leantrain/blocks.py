@@ -11,7 +11,10 @@ A policy is comma-separated terms:
 * no class name: the model's repeated blocks (see :func:`block_classes`);
 * ``auto`` (activation checkpointing only): the fewest of the repeated blocks that let the
   micro-batch fit the memory budget (resolved before training, see
-  ``memory/estimate.fewest_checkpointed_blocks``).
+  ``memory/estimate.fewest_checkpointed_blocks``);
+* ``selective`` (activation checkpointing only, with the terms above but not ``auto``): the
+  picked blocks are checkpointed op by op, keeping their matrix products' outputs and
+  recomputing the rest (see ``memory/recompute.py``).
 """
 
 from __future__ import annotations
@@ -34,32 +37,44 @@ class BlockPolicy:
     every: int = 1
     first: int | None = None  # only the first N matches (after every)
     auto: bool = False
+    selective: bool = False  # op-level: keep the blocks' matrix products, recompute the rest
     field: str = "activation_checkpointing"  # the config field errors name
 
     @classmethod
     def parse(cls, text: str, field: str = "activation_checkpointing") -> BlockPolicy:
-        """``"Block"``, ``"Block,every:2"``, ``"every:3"``, ``"Block,first:2"``, ``"auto"``.
+        """``"Block"``, ``"Block,every:2"``, ``"every:3"``, ``"Block,first:2"``, ``"auto"``,
+        ``"selective"``, ``"Block,selective"``.
 
         Anything else is a ConfigError naming the field."""
-        if text.strip() == "auto" and field == "activation_checkpointing":
+        recompute = field == "activation_checkpointing"
+        if text.strip() == "auto" and recompute:
             return cls(auto=True)
         classes: list[str] = []
         counts: dict[str, int] = {}
+        selective = False
         for term in (t.strip() for t in text.split(",")):
             match = _COUNT.fullmatch(term)
             if match and int(match.group(2)) >= 1:
                 counts[match.group(1)] = int(match.group(2))
-            elif _NAME.fullmatch(term) and term != "auto":
+            elif term == "selective" and recompute:
+                selective = True
+            elif _NAME.fullmatch(term) and term not in ("auto", "selective"):
                 classes.append(term)
             else:
                 raise ConfigError(
                     field,
                     text,
-                    ("auto, or " if field == "activation_checkpointing" else "")
+                    ("auto (alone), selective, or " if recompute else "")
                     + "comma-separated module class names, every:N and first:N (N >= 1), "
-                    "e.g. Block or Block,every:2",
+                    + (
+                        "e.g. Block, Block,every:2 or Block,selective"
+                        if recompute
+                        else "e.g. Block or Block,every:2"
+                    ),
                 )
-        return cls(tuple(classes), counts.get("every", 1), counts.get("first"), field=field)
+        return cls(
+            tuple(classes), counts.get("every", 1), counts.get("first"), selective=selective, field=field
+        )
 
 
 def block_classes(model: nn.Module) -> tuple[str, ...]:

@@ -165,7 +165,8 @@ class TrainConfig:
         "memory",
         "recompute these blocks' activations in backward instead of keeping them: module class names "
         "(Block), optionally every:N (every N-th of them) and first:N; no name: the model's repeated "
-        "blocks; auto: the fewest of them that fit memory_budget",
+        "blocks; auto: the fewest of them that fit memory_budget; selective (alone or with the terms "
+        "above, e.g. Block,selective): keep the blocks' matrix products' outputs, recompute the rest",
     )
     memory_budget: str | None = _field(
         None,

@@ -88,8 +88,21 @@ def gradient_bytes(optimizer_params: Iterable[torch.Tensor]) -> int:
     return tensor_bytes(p for p in optimizer_params if p.requires_grad)
 
 
+# The counts running, innermost last: what selective checkpointing keeps is held by checkpoint's
+# own cache, which autograd's saved-tensor hooks never see, so it is reported here instead.
+_RUNNING: list[SavedActivations] = []
+
+
+def count_held_for_backward(tensor: torch.Tensor) -> None:
+    """Count ``tensor`` in the innermost running :class:`SavedActivations`, if any: a tensor held for
+    backward outside autograd's saved tensors (``memory/recompute.py``'s selective checkpointing)."""
+    if _RUNNING:
+        _RUNNING[-1]._pack(tensor)
+
+
 class SavedActivations:
-    """Counts the bytes autograd saves for backward inside the block (parameters excluded).
+    """Counts the bytes autograd saves for backward inside the block (parameters excluded), and those
+    that selective checkpointing keeps (reported through :func:`count_held_for_backward`).
 
     ``with SavedActivations(model.parameters()) as saved: loss = f(model, batch)``; then
     ``saved.bytes``. The tensors are only referenced while the block runs. With ``limit``,
@@ -125,11 +138,13 @@ class SavedActivations:
         self._eager = torch.compiler.set_stance("force_eager")
         self._eager.__enter__()
         self._hooks.__enter__()
+        _RUNNING.append(self)
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
+        _RUNNING.remove(self)
         self._hooks.__exit__(kind, error, tb)
         self._eager.__exit__(kind, error, tb)
         self._seen = {}

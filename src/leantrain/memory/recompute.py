@@ -9,6 +9,17 @@ of the checkpointed blocks.
 ``every:N``, ``first:N``, or ``auto`` (the fewest of the repeated blocks that let the
 micro-batch fit the memory budget, see ``estimate.fewest_checkpointed_blocks``).
 
+``selective`` checkpoints the picked blocks op by op (torchtitan's ``op`` policy, through
+``create_selective_checkpoint_contexts``): the outputs of their matrix products (``mm``,
+``addmm``, ``bmm``, ``baddbmm``, the fused attention kernels) and of their collectives are kept,
+everything else (norms, activations, dropout, softmax, views) is recomputed: backward redoes a
+block's elementwise work, not its matrix products, and no collective (a second one would cost
+communication, and hang if ranks recomputed different ones). Every product is kept, not every
+second one as torchtitan does: that trades about half the products' bytes for recomputing half
+the products, which ``Block,every:2`` already offers at block granularity, and "products kept,
+the rest recomputed" stays one rule to reason about. The kept outputs live in checkpoint's own cache, which
+autograd's saved-tensor hooks never see: the policy reports them to the accountant.
+
 Recomputation uses ``torch.utils.checkpoint`` in its non-reentrant form, which supports
 keyword arguments, composes with autocast and DDP, and restores the RNG state before
 recomputing, so dropout masks are the same in both passes.
@@ -24,19 +35,64 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from leantrain.blocks import BlockPolicy, matching_blocks
 from leantrain.errors import ConfigError
+from leantrain.memory.accountant import count_held_for_backward
+
+
+def _kept_ops() -> frozenset[Any]:
+    """The matrix products selective checkpointing keeps (those this torch has), as op packets."""
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+        # Composite (decomposed before dispatch) in the torch this was written on; kept if one is not.
+        "_scaled_dot_product_attention_math",
+    )
+    return frozenset(getattr(torch.ops.aten, name) for name in names if hasattr(torch.ops.aten, name))
+
+
+_KEPT_OPS = _kept_ops()
+# Functional collectives (DTensor's, tensor parallelism's): recomputing one is communication spent
+# twice, and a hang when ranks recompute different ones.
+_COLLECTIVES = frozenset({"_c10d_functional", "_c10d_functional_autograd"})
+
+
+def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective checkpointing's policy: keep matrix products and collectives, recompute the rest."""
+    kept = getattr(op, "overloadpacket", None) in _KEPT_OPS or getattr(op, "namespace", None) in _COLLECTIVES
+    if not kept:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    for tensor in tree_leaves(getattr(ctx, "op_output", None)):
+        if isinstance(tensor, torch.Tensor):
+            count_held_for_backward(tensor)
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
 class _Recomputed:
     """A module's forward, run under non-reentrant checkpointing while the module trains."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, selective: bool = False) -> None:
         self.module = module
         self.forward = module.forward
+        # Checkpoint's default (no context) unless selective: keep the products, recompute the rest.
+        self.context: dict[str, Any] = {"context_fn": _selective_contexts} if selective else {}
         # The arguments a recomputed forward is not given (looked up once, not per call).
         self.cache = None if getattr(module, "_can_checkpoint_with_cache", False) else _cache_class()
 
@@ -47,7 +103,7 @@ class _Recomputed:
         if cache is not None:
             args = tuple(None if isinstance(a, cache) else a for a in args)
             kwargs = {k: None if isinstance(v, cache) else v for k, v in kwargs.items()}
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self.forward, *args, use_reentrant=False, **self.context, **kwargs)
 
 
 def _checkpoints_itself(model: nn.Module) -> bool:
@@ -77,7 +133,7 @@ def apply_activation_checkpointing(model: nn.Module, policy: BlockPolicy) -> lis
         )
     blocks = matching_blocks(model, policy)
     for _, module in blocks:
-        module.forward = _Recomputed(module)  # type: ignore[method-assign]
+        module.forward = _Recomputed(module, policy.selective)  # type: ignore[method-assign]
     return [name for name, _ in blocks]
 
 
