@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from leantrain.checkpoint import export_checkpoint
 from leantrain.extensions.weight_average import averaged_weights
 from tests.distributed.conftest import launch_here, run_with_one_kill, trained_weights
+from tests.simulate.planned import accounted, planned, summarized
 
 FIT = "fit --global-batch-size 16 --micro-batch-size 4 --max-steps 20 --progress plain --logger none"
 FIT = FIT.split()
@@ -25,8 +26,8 @@ def train(out, task: str, *flags: str, processes: int = 1) -> dict[str, torch.Te
 def test_fsdp_on_two_processes_trains_as_one_process(tmp_path, task, tolerance):
     one = train(tmp_path / "one", task, "--micro-batch-size", "16", "--ema-decay", "0.8")
     # 2 x (micro 4 x 2 accumulation): the reduce-scatter skipped on the first micro-batch
-    sharded = ["--strategy", "fsdp", "--shard-blocks", "Linear", "--ema-decay", "0.8"]
-    two = train(tmp_path / "two", task, *sharded, processes=2)
+    sharded_flags = ["--strategy", "fsdp", "--shard-blocks", "Linear", "--ema-decay", "0.8"]
+    two = train(tmp_path / "two", task, *sharded_flags, processes=2)
     average_one, average_two = (load_file(tmp_path / run / "ema.safetensors") for run in ("one", "two"))
     for name, tensor in one.items():
         assert two[name].dtype == tensor.dtype
@@ -37,6 +38,12 @@ def test_fsdp_on_two_processes_trains_as_one_process(tmp_path, task, tolerance):
     # Each process holds half of every parameter (every dim 0 here is even), gradient and state.
     for kind in ("params_bytes", "grads_bytes", "optimizer_bytes", "ema_bytes"):
         assert sharded[kind] * 2 == single[kind], kind
+    # plan --cluster simulates each rank on fake tensors: what the run measured, to the byte.
+    fit_arguments = [*FIT, "--task", f"tests.distributed.tasks:{task}"]
+    assert accounted(planned([*fit_arguments, *sharded_flags], 2)) == summarized(sharded)
+    assert accounted(planned([*fit_arguments, "--micro-batch-size", "16", "--ema-decay", "0.8"], 1)) == summarized(
+        single
+    )
 
 
 def test_a_transformers_gpt2_trains_under_fsdp_as_one_process_with_the_same_weight_names(tmp_path):

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distributed.conftest import launch_here, run_with_one_kill, trained_weights
+from tests.simulate.planned import accounted, planned, summarized
 
 # 8 samples a step, micro-batches of 2: 4 (tp alone) or 2 (2D) accumulated micro-batches a step.
 FIT = "fit --global-batch-size 8 --micro-batch-size 2 --max-grad-norm 0.5 --progress plain --logger none"
@@ -40,6 +41,10 @@ def test_tp_alone_trains_as_one_process_and_its_checkpoint_resumes_on_one_proces
     assert_close(two, one)
     summary = json.loads((tmp_path / "tp" / "summary.json").read_text())
     assert summary["tensor_parallel"] == 2 and summary["strategy"] == "ddp"
+    # plan --cluster, simulated in this process on fake tensors, holds what each rank of the run held
+    # (the shards of the plan, their optimizer state, sequence parallelism's activations).
+    plan = planned([*FIT, "--task", "tests.distributed.tasks:tiny_charlm", *steps, "--tp", "2"], 2)
+    assert accounted(plan) == summarized(summary)
     expected_loss = json.loads((tmp_path / "one" / "summary.json").read_text())["final_train_loss"]
     assert summary["final_train_loss"] == pytest.approx(expected_loss, rel=1e-9)
     # Each rank holds half of every planned matrix: the run's parameter bytes are below one process's.
@@ -89,6 +94,9 @@ def test_fsdp_over_tp_groups_trains_as_one_process(tmp_path, task, plan, recompu
         assert "loss parallel: on: the cross-entropy on lm_head's logits split by vocabulary" in stdout
     assert "suboptimal" not in stdout  # torch's note on gathering 2D shards, once per rank, is not the user's
     assert_close(load_file(tmp_path / "2d" / "model.safetensors"), one)
+    # Simulated on fake tensors: each rank's 1/2 of a 1/2 shard, its recomputed blocks' activations.
+    summary = json.loads((tmp_path / "2d" / "summary.json").read_text())
+    assert accounted(planned([*FIT, *flags, "--strategy", "fsdp", "--tp", "2"], 4)) == summarized(summary)
 
 
 def test_a_whole_parameter_on_split_activations_is_summed_when_planned_so_and_refused_when_not(tmp_path):

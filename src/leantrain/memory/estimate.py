@@ -100,7 +100,7 @@ def first_items(dataset: Any, count: int) -> list[Any]:
     return items
 
 
-def _fake_copy_of_parameters(model: nn.Module, mode: FakeTensorMode) -> None:
+def fake_copy_of_parameters(model: nn.Module, mode: FakeTensorMode) -> None:
     """Swap every meta parameter and buffer for a fake CPU tensor (tied weights stay tied)."""
     made: dict[int, torch.Tensor] = {}
 
@@ -148,7 +148,7 @@ def measure(
     )
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    _fake_copy_of_parameters(model, mode)
+    fake_copy_of_parameters(model, mode)
     model.train()
     items = first_items(torch_rows(task.train_data(), "train_data"), max(micro_sizes))  # as fit reads them
     rows = []

@@ -143,9 +143,9 @@ def plan_cluster(task: Any, cfg: TrainConfig, cluster: ClusterSpec, mfu: float |
     """Simulate rank 0 of ``cfg``'s job on ``cluster`` and price its step."""
     world = cluster.world_size
     strategy = check_config(cfg, world)
-    if strategy.name == "pipeline":
-        reason = "plan --cluster does not simulate pipeline stages yet: plan ddp or fsdp, with --tp"
-        raise ConfigError("strategy", "pipeline", reason)
+    if not strategy.simulated:
+        reason = "plan --cluster does not simulate its ranks yet: plan ddp or fsdp (with --tp)"
+        raise ConfigError("strategy", strategy.name, reason)
     dims = strategy.dims(cfg, world)
     micro = configured_micro_batch(cfg, dims.dp)
     accumulation = cfg.global_batch_size // (dims.dp * micro)

@@ -30,6 +30,7 @@ from leantrain.blocks import BlockPolicy
 from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError, LeantrainError, TaskError
 from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, breakdown
+from leantrain.memory.estimate import fake_copy_of_parameters
 from leantrain.memory.recompute import apply_activation_checkpointing
 from leantrain.simulate.local_flops import LocalFlops
 from leantrain.simulate.traffic import Sent, TrafficLog
@@ -127,13 +128,15 @@ def simulate_rank_step(
     """One optimizer step of this rank (the fake world must be up); ``batch``: one real micro-batch."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     precision = make_precision(cfg.precision, CPU)
-    with mode:
-        try:
+    # Built on the meta device (no initialisation runs), then given fake CPU tensors of the same
+    # shapes: a model built under the fake mode itself cannot convert its own dtype (``.to``).
+    try:
+        with torch.device("meta"):
             model = with_lora(task.model(), cfg.to_dict())
-        except Exception as error:
-            raise TaskError(
-                f"plan --cluster builds task.model() on fake tensors, and it failed: {error}"
-            ) from error
+    except Exception as error:
+        raise TaskError(f"plan --cluster builds task.model() on the meta device, and it failed: {error}") from error
+    fake_copy_of_parameters(model, mode)
+    with mode:
         prepared = precision.prepare(model)
         micro = fake_batch(batch, mode, precision)
     policy = cfg.activation_checkpointing

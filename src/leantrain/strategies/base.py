@@ -63,6 +63,7 @@ class Strategy:
     needs: ClassVar[tuple[str, ...]] = ()  # config fields it requires (and that only it uses)
     uses: ClassVar[tuple[str, ...]] = ()  # config fields only it uses, optional
     caveat: ClassVar[Caveat | None] = None  # a known cost of the strategy, which the doctor reports
+    simulated: ClassVar[bool] = True  # ``plan --cluster`` can run it on fake tensors (see ``planning``)
 
     # -- before any process starts (class methods: no model, no process group) -------------
 

@@ -96,7 +96,7 @@ class TensorParallel(ShardedState, Collectives):
             f"tensor parallel over {tp} ranks x {self.dims.dp} data-parallel: {len(self.split_modules)} "
             f"modules split ({source})"
         )
-        self.split_logits = SplitLogits(model, logits)
+        self.split_logits = SplitLogits(model, logits, values=not self.planning)
         if (line := self.split_logits.decide(self.cfg.loss_parallel, example, self.any_rank)) is not None:
             self.notes.append(line)
         return model

@@ -58,6 +58,7 @@ class Pipeline(ShardedState, Collectives):
     name = "pipeline"
     summary = "the model's consecutive stages on pipeline_stages processes (pipelines side by side: hybrid)"
     needs = ("pipeline_stages",)
+    simulated = False  # its stages hold different parts: plan --cluster simulates one rank for all
 
     @classmethod
     def check(cls, cfg: TrainConfig, world_size: int | None) -> None:
