@@ -244,20 +244,37 @@ def _plan_parser() -> ArgumentParser:
         help="share of the budget kept free (0.1: 10%%)",
     )
     plan.add_argument(JSON_FLAG, **JSON_OPTIONS, help="print one JSON object instead of a table")
+    cluster = parser.add_argument_group("Cluster (simulated on fake tensors: no GPU, no memory)")
+    cluster.add_argument(
+        "--cluster",
+        default=None,
+        help="plan each GPU of this cluster: 8xH100, 2x8xH100 (nodes x GPUs x kind), 2x8x80GiB",
+    )
+    cluster.add_argument(
+        "--search", **JSON_OPTIONS, help="with --cluster: try the layouts, list those that fit, fastest first"
+    )
+    cluster.add_argument(
+        "--mfu", type=float | None, default=None, help="with --cluster: the compute efficiency assumed (0-1)"
+    )
     return parser
 
 
-def run_plan(values: dict[str, Any], console: Console) -> MemoryEstimate:
+def run_plan(values: dict[str, Any], console: Console) -> MemoryEstimate | None:
     margin, as_json = values.pop("safety_margin"), values.pop("json")
+    cluster, search, mfu = values.pop("cluster"), values.pop("search"), values.pop("mfu")
     if not 0 <= margin < 1:
         raise ConfigError("safety_margin", margin, "must be at least 0 and below 1")
     cfg = config_from_args(values)
+    if cluster is not None:
+        run_cluster_plan(values, cfg, cluster, search, mfu, as_json, console)
+        return None
+    if search or mfu is not None:
+        raise ConfigError("search" if search else "mfu", search or mfu, "plans a cluster: give --cluster too")
     if cfg.tp > 1:  # a table of the whole model would read as each rank's
         raise ConfigError(
-            "tp",
-            cfg.tp,
-            "leantrain plan measures one process holding the whole model; it does not split it by --tp yet",
-        )
+            "tp", cfg.tp, "leantrain plan measures one process holding the whole model: plan each rank of a "
+            "tensor-parallel layout with --cluster (e.g. --cluster 8xH100)",
+        )  # fmt: skip
     budget = None if cfg.memory_budget is None else parse_bytes(cfg.memory_budget)
     task, _ = resolve_task(values.get("task"), values.get("example"))
     plan = estimate_memory(task, cfg, budget=budget, margin=margin)
@@ -267,6 +284,54 @@ def run_plan(values: dict[str, Any], console: Console) -> MemoryEstimate:
         # Wider than the 80 columns rich assumes for a pipe: the table has eight or nine columns.
         Console(width=max(console.width, 110)).print(_plan_table(plan))
     return plan
+
+
+def run_cluster_plan(
+    values: dict[str, Any],
+    cfg: TrainConfig,
+    cluster_text: str,
+    search: bool,
+    mfu: float | None,
+    as_json: bool,
+    console: Console,
+) -> None:
+    """``plan --cluster``: rank 0 of the job simulated on fake tensors; with ``--search``, every layout."""
+    # The simulation's modules import torch's fake tensors and tracers: only when asked for.
+    from leantrain.simulate.cluster_plan import plan_cluster
+    from leantrain.simulate.hardware import parse_cluster
+    from leantrain.simulate.report import plan_notes, plan_table, search_table
+    from leantrain.simulate.search import Tried
+    from leantrain.simulate.search import search as search_layouts
+
+    cluster = parse_cluster(cluster_text)
+    if mfu is not None and not 0 < mfu <= 1:
+        raise ConfigError("mfu", mfu, "must be above 0 and at most 1")
+    task, _ = resolve_task(values.get("task"), values.get("example"))
+    wide = Console(width=max(console.width, 130))
+    # The launch line names the job as given: its task and global batch; the layout's flags follow.
+    example = values.get("example") or DEFAULT_EXAMPLE
+    job = ["--task", values["task"]] if values.get("task") else ["--example", example]
+    job += ["--global-batch-size", str(cfg.global_batch_size)]
+    if not search:
+        plan = plan_cluster(task, cfg, cluster, mfu)
+        if as_json:
+            print(json.dumps({**plan.as_dict(), "command": plan.command(job)}))
+            return
+        wide.print(plan_table(plan))
+        for line in plan_notes(plan, job):
+            wide.print(escape(line), soft_wrap=True)
+        return
+
+    def progress(index: int, tried: Tried) -> None:
+        if not as_json:
+            shown = tried.plan.layout.fit_flags() if tried.plan else [tried.reason or ""]
+            print(f"layout {index}: {' '.join(shown)}", file=sys.stderr, flush=True)
+
+    tried = search_layouts(task, cfg, cluster, mfu, progress)
+    if as_json:
+        print(json.dumps({"cluster": str(cluster), "layouts": [one.as_dict() for one in tried]}))
+    else:
+        wide.print(search_table(tried, job))
 
 
 def _plan_table(plan: MemoryEstimate) -> Table:

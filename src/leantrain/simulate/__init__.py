@@ -1,1 +1,1 @@
-"""Planning a cluster from one machine: the job's ranks simulated on fake tensors (``leantrain plan --cluster``)."""
+"""Planning a cluster from one machine: the job's ranks simulated on fake tensors (``plan --cluster``)."""

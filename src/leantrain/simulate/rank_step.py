@@ -134,7 +134,9 @@ def simulate_rank_step(
         with torch.device("meta"):
             model = with_lora(task.model(), cfg.to_dict())
     except Exception as error:
-        raise TaskError(f"plan --cluster builds task.model() on the meta device, and it failed: {error}") from error
+        raise TaskError(
+            f"plan --cluster builds task.model() on the meta device, and it failed: {error}"
+        ) from error
     fake_copy_of_parameters(model, mode)
     with mode:
         prepared = precision.prepare(model)
