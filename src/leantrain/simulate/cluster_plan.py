@@ -114,9 +114,11 @@ class ClusterPlan:
 
 
 def sample_batch(task: Any, micro_batch_size: int) -> Any:
-    """One real micro-batch of the task's shapes: its first items, collated as ``fit`` collates them."""
-    items = first_items(torch_rows(task.train_data(), "train_data"), micro_batch_size)
-    return collate(items, range(micro_batch_size), "train_data")
+    """A micro-batch of the task's shapes, collated as ``fit`` collates it, from one real item (its
+    first, repeated): the data of a job on a cluster is not read beyond it. Items of different shapes
+    (documents without packing) are planned at the first one's."""
+    item = first_items(torch_rows(task.train_data(), "train_data"), 1)[0]
+    return collate([item] * micro_batch_size, range(micro_batch_size), "train_data")
 
 
 def tokens_of(batch: Any) -> int | None:
