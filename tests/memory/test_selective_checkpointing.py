@@ -170,3 +170,16 @@ def test_plan_takes_selective_on_the_command_line(capsys):
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["activation_checkpointing"] == "selective" and result["activation_bytes"] > 0
+
+
+@pytest.mark.parametrize(("policy", "said"), [("Block,selective", True), ("Block", False)])
+def test_the_run_log_says_the_blocks_are_recomputed_op_by_op(policy, said):
+    from leantrain.run.model import ModelPart
+    from leantrain.strategies.base import Strategy
+    from leantrain.strategies.dims import ParallelDims
+
+    strategy = Strategy(lt.TrainConfig(), torch.device("cpu"), ParallelDims())
+    part = ModelPart(strategy, None, None, [], policy, ["blocks.0", "blocks.1"], {}, [])  # type: ignore[arg-type]
+    line = part.setup_lines()[0]
+    assert line.startswith("activation checkpointing: 2 blocks (blocks.0, blocks.1)")
+    assert line.endswith(", op by op: their matrix products kept") is said

@@ -40,7 +40,9 @@ class ModelPart:
         lines = []
         if self.recomputed:
             shown = ", ".join(self.recomputed[:4]) + (", ..." if len(self.recomputed) > 4 else "")
-            lines.append(f"activation checkpointing: {len(self.recomputed)} blocks ({shown})")
+            selective = "selective" in (self.recompute or "").split(",")
+            how = ", op by op: their matrix products kept" if selective else ""
+            lines.append(f"activation checkpointing: {len(self.recomputed)} blocks ({shown}){how}")
         return lines + self.notes + self.strategy.notes
 
     @property
