@@ -17,6 +17,7 @@ step's FLOPs (the doctor's counter), and every collective it issues (``traffic.p
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,14 +54,15 @@ class RankStep:
     micro_batches: int  # per optimizer step, on this rank
 
 
-def fake_batch(batch: Any, mode: FakeTensorMode, precision: Precision) -> Any:
-    """``batch`` (a real collated micro-batch) as fake tensors, floats in the precision's input dtype."""
+def fake_batch(batch: Any, mode: FakeTensorMode | None, precision: Precision) -> Any:
+    """``batch`` (a real collated micro-batch) as fake tensors (real ones without a ``mode``), floats in
+    the precision's input dtype."""
     dtype = precision.input_dtype
 
     def convert(tensor: torch.Tensor) -> torch.Tensor:
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
-        return mode.from_tensor(tensor)
+        return tensor if mode is None else mode.from_tensor(tensor)
 
     return tree_map_only(torch.Tensor, convert, batch)
 
@@ -122,12 +124,10 @@ def _peak_tracker() -> Any:
     return StepPeak()
 
 
-def simulate_rank_step(
-    task: Any, cfg: TrainConfig, strategy_class: type[Strategy], dims: Any, batch: Any, accumulation: int
-) -> RankStep:
-    """One optimizer step of this rank (the fake world must be up); ``batch``: one real micro-batch."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    precision = make_precision(cfg.precision, CPU)
+def _task_model(task: Any, cfg: TrainConfig, mode: FakeTensorMode | None) -> nn.Module:
+    """The task's model with its adapters: of fake tensors with a ``mode``, else real."""
+    if mode is None:
+        return with_lora(task.model(), cfg.to_dict())
     # Built on the meta device (no initialisation runs), then given fake CPU tensors of the same
     # shapes: a model built under the fake mode itself cannot convert its own dtype (``.to``).
     try:
@@ -138,7 +138,27 @@ def simulate_rank_step(
             f"plan --cluster builds task.model() on the meta device, and it failed: {error}"
         ) from error
     fake_copy_of_parameters(model, mode)
-    with mode:
+    return model
+
+
+def simulate_rank_step(
+    task: Any,
+    cfg: TrainConfig,
+    strategy_class: type[Strategy],
+    dims: Any,
+    batch: Any,
+    accumulation: int,
+    real: bool = False,
+) -> RankStep:
+    """One optimizer step of this rank (the fake world must be up); ``batch``: one real micro-batch.
+
+    ``real``: the same step on real tensors in a real process group, which is how the simulation is
+    checked against a run (``benchmarks/cluster_plan_real.py``)."""
+    mode = None if real else FakeTensorMode(allow_non_fake_inputs=True)
+    fake = mode or nullcontext()
+    precision = make_precision(cfg.precision, CPU)
+    model = _task_model(task, cfg, mode)
+    with fake:
         prepared = precision.prepare(model)
         micro = fake_batch(batch, mode, precision)
     policy = cfg.activation_checkpointing
@@ -148,12 +168,13 @@ def simulate_rank_step(
     if policy is not None:
         apply_activation_checkpointing(model, BlockPolicy.parse(policy))
     strategy = strategy_class(cfg, CPU, dims)
-    strategy.planning = True
+    strategy.planning = not real  # a real check runs the strategy exactly as fit does
     plan = getattr(task, "tp_plan", None)
     # Outside the fake mode: torch builds device meshes of real rank numbers while it shards.
     strategy.wrap(model, Example(task.loss, lambda: micro, plan if callable(plan) else None))
-    _check_all_fake(strategy.model)
-    with mode:
+    if mode is not None:
+        _check_all_fake(strategy.model)
+    with fake:
         params = strategy.optimizer_params(prepared)
         optimizer = task.optimizer(iter(params))
         _optimizer_state(optimizer, params)
