@@ -315,7 +315,11 @@ def run_cluster_plan(
     if not search:
         plan = plan_cluster(task, cfg, cluster, mfu)
         if as_json:
-            print(json.dumps({**plan.as_dict(), "command": plan.command(job)}))
+            print(
+                json.dumps(
+                    {**plan.as_dict(), "command": plan.command(job), "slurm_command": plan.slurm_command(job)}
+                )
+            )
             return
         wide.print(plan_table(plan))
         for line in plan_notes(plan, job):

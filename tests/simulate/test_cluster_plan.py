@@ -68,6 +68,10 @@ def test_the_table_gives_memory_by_kind_the_modelled_time_and_the_launch_line(ca
         "tests.distributed.tasks:tiny_charlm --global-batch-size 8 --strategy fsdp --micro-batch-size 2 "
         "--precision 32 --tp 2"
     ) in out
+    assert (
+        "or:     leantrain slurm --nodes 2 --gpus-per-node 2 fit --task tests.distributed.tasks:tiny_charlm "
+        "--global-batch-size 8 --strategy fsdp"
+    ) in out
     assert "- a model, not a measurement: compute at 35% of h100-sxm's dense fp32" in out
 
 

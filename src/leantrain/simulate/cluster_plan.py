@@ -88,6 +88,12 @@ class ClusterPlan:
         launch += ["--nproc-per-node", str(self.cluster.gpus_per_node), "fit", *fit_flags]
         return shlex.join([*launch, *self.layout.fit_flags()])
 
+    def slurm_command(self, fit_flags: Sequence[str] = ()) -> str:
+        """The ``leantrain slurm`` line that submits the job (one task per node runs the launch)."""
+        slurm = ["leantrain", "slurm", "--nodes", str(self.cluster.nodes)]
+        slurm += ["--gpus-per-node", str(self.cluster.gpus_per_node), "fit", *fit_flags]
+        return shlex.join([*slurm, *self.layout.fit_flags()])
+
     def as_dict(self) -> dict[str, Any]:
         layout = self.layout
         return {
@@ -110,6 +116,7 @@ class ClusterPlan:
             "traffic_bytes": self.traffic,
             **{f"time_{name}": value for name, value in self.time.as_dict().items()},
             "command": self.command(),
+            "slurm_command": self.slurm_command(),
         }
 
 

@@ -28,7 +28,8 @@ def _seconds(value: float) -> str:
 
 def plan_notes(plan: ClusterPlan, fit_flags: Sequence[str] = ()) -> list[str]:
     """What goes under a plan's table: its launch line, then the time model's assumptions."""
-    return ["launch: " + plan.command(fit_flags), *(f"- {line}" for line in plan.time.assumptions)]
+    commands = ["launch: " + plan.command(fit_flags), "or:     " + plan.slurm_command(fit_flags)]
+    return [*commands, *(f"- {line}" for line in plan.time.assumptions)]
 
 
 def plan_table(plan: ClusterPlan) -> Table:
