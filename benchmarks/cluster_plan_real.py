@@ -46,6 +46,7 @@ ACCOUNTED = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes
 
 def worker(task_name: str, flags: list[str], out: Path) -> None:
     """One rank of the real run (under torchrun): the step on real tensors, rank 0 writes its figures."""
+    import torch
     import torch.distributed as dist
 
     from leantrain.cli import build_parser, config_from_args, resolve_task
@@ -63,6 +64,7 @@ def worker(task_name: str, flags: list[str], out: Path) -> None:
     dims = strategy.dims(cfg, world)
     micro = configured_micro_batch(cfg, dims.dp)
     accumulation = cfg.global_batch_size // (dims.dp * micro)
+    torch.manual_seed(cfg.seed)  # every rank's initial weights alike, as fit draws them
     step = simulate_rank_step(task, cfg, strategy, dims, sample_batch(task, micro), accumulation, real=True)
     if dist.get_rank() == 0:
         figures = {"peak": step.peak, **{kind: getattr(step.memory, kind) for kind in ACCOUNTED}}

@@ -180,7 +180,7 @@ def simulate_rank_step(
         _optimizer_state(optimizer, params)
         runs = min(accumulation, 2)  # one without gradient sync, the last with it
         log, tracker, flops = TrafficLog(), _peak_tracker(), LocalFlops()
-        tracker.track_external(strategy.module, optimizer)
+        tracker.track_external(strategy.module, optimizer, *strategy.held())
         saved = SavedActivations(strategy.model.parameters())
         first = True
 

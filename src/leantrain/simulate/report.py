@@ -18,7 +18,7 @@ KINDS = {
     "Activation": "activations",
     "Temp": "temporaries",
     "Buffer": "buffers",
-    "Other": "other",
+    "Other": "held by the strategy",  # what a wrapper the plan could not build holds (DDP's buckets)
 }
 
 

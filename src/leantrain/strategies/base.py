@@ -117,6 +117,11 @@ class Strategy:
         """Place or wrap the model (``example``: for strategies that trace it)."""
         self.model = self.module = model
 
+    def held(self) -> list[torch.Tensor]:
+        """Under ``planning``: tensors the strategy holds beyond the model's and the optimizer's (what a
+        wrapper it could not build would hold), for the plan to count."""
+        return []
+
     def reset_after_out_of_memory(self) -> None:
         """Start clean after a step that every rank abandoned for an out-of-memory error."""
 

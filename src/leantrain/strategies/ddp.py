@@ -21,6 +21,7 @@ from leantrain.strategies.tensor_parallel import TensorParallel
 class Distributed(SyncsBatchNorm, Collectives):
     name = "ddp"
     summary = "DistributedDataParallel: one process per device, a full replica in each"
+    _buckets: tuple[torch.Tensor, ...] = ()  # planning: the memory of DDP's buckets, emulated
 
     def wrap(self, model: nn.Module, example: Example | None) -> None:
         self.model = self.with_synced_batch_norm(model)
@@ -29,8 +30,11 @@ class Distributed(SyncsBatchNorm, Collectives):
 
     def _wrapped(self) -> nn.Module:
         if self.planning:
-            # DDP's C++ reducer cannot hold fake tensors. With gradients as bucket views it holds no
-            # memory beyond the gradients', so the plan runs the model as it is.
+            # DDP's C++ reducer cannot hold fake tensors: the plan runs the model as it is, and holds
+            # what the reducer holds through a step: its buckets, a gradient-sized buffer per dtype.
+            # Backward's gradients are made beside them and copied in (then the gradients become views
+            # of the buckets), as measured on real processes (benchmarks/cluster_plan_real.py).
+            self._buckets = _buckets(self.model)
             return self.model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # Gradients as views into the all-reduce buckets: no copy between them after each
@@ -48,6 +52,9 @@ class Distributed(SyncsBatchNorm, Collectives):
         self.module = self.model
         gc.collect()
         self.module = self._wrapped()
+
+    def held(self) -> list[torch.Tensor]:
+        return list(self._buckets)
 
     def finish_gradients(self, params: list[torch.Tensor]) -> None:
         if self.planning:  # no reducer (see ``_wrapped``): its all-reduce, in place, for the plan to see
@@ -94,3 +101,13 @@ class DistributedTensorParallel(TensorParallel, Distributed):
         grads = [p.grad for p in params if p.grad is not None]
         if self.dims.dp > 1 and grads:
             all_reduce_in_place(grads, self.data_group, divide_by=self.dims.dp)
+
+
+def _buckets(model: nn.Module) -> tuple[torch.Tensor, ...]:
+    """A flat buffer per dtype of the trainable parameters, made from them (fake ones under planning,
+    so it costs this machine nothing)."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            by_dtype.setdefault(param.dtype, []).append(param)
+    return tuple(params[0].new_zeros(sum(p.numel() for p in params)) for params in by_dtype.values())
