@@ -49,11 +49,15 @@ def test_fsdp_gathers_each_block_twice_the_root_once_per_micro_batch_and_reduces
     }
 
 
-def test_ddp_all_reduces_the_gradients_once_a_step():
+def test_ddp_all_reduces_the_gradients_once_a_step_and_holds_its_buckets():
+    """Bugs: the no-sync micro-batch's all-reduce counted; DDP's buckets (a gradient-sized buffer, held
+    through the step: measured on real processes by benchmarks/cluster_plan_real.py) left out."""
     cfg = TrainConfig(strategy="ddp", global_batch_size=8, micro_batch_size=2)  # 2 micro-batches a rank
     plan = plan_cluster(tiny_charlm(), cfg, parse_cluster("2xH100"))
     assert plan.accumulation == 2
-    assert plan.traffic == {"all_reduce": sum(p.numel() * 8 for p in tiny_charlm().model().parameters())}
+    gradients = sum(p.numel() * 8 for p in tiny_charlm().model().parameters())  # float64
+    assert plan.traffic == {"all_reduce": gradients}
+    assert plan.peak["Other"] == gradients
 
 
 def test_the_table_gives_memory_by_kind_the_modelled_time_and_the_launch_line(capsys):
