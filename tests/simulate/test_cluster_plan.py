@@ -113,9 +113,9 @@ def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_t
     real_plan = plan_cluster
     simulated = []
 
-    def plan_cluster_with_a_limit(task, cfg, cluster, mfu=None):
+    def plan_cluster_with_a_limit(task, cfg, cluster, mfu=None, item=None):
         simulated.append(cfg)
-        plan = real_plan(task, cfg, cluster, mfu)
+        plan = real_plan(task, cfg, cluster, mfu, item)
         if cfg.micro_batch_size >= 2:  # as though micro-batches from 2 did not fit
             object.__setattr__(plan, "peak", {"Total": 2**40})
         return plan

@@ -120,11 +120,16 @@ class ClusterPlan:
         }
 
 
-def sample_batch(task: Any, micro_batch_size: int) -> Any:
-    """A micro-batch of the task's shapes, collated as ``fit`` collates it, from one real item (its
-    first, repeated): the data of a job on a cluster is not read beyond it. Items of different shapes
-    (documents without packing) are planned at the first one's."""
-    item = first_items(torch_rows(task.train_data(), "train_data"), 1)[0]
+def first_item(task: Any) -> Any:
+    """The task's first training item: the data of a job on a cluster is not read beyond it."""
+    return first_items(torch_rows(task.train_data(), "train_data"), 1)[0]
+
+
+def sample_batch(task: Any, micro_batch_size: int, item: Any = None) -> Any:
+    """A micro-batch of the task's shapes, collated as ``fit`` collates it, from one real item (the
+    first, or ``item``) repeated. Items of different shapes (documents without packing) are planned at
+    that one's."""
+    item = first_item(task) if item is None else item
     return collate([item] * micro_batch_size, range(micro_batch_size), "train_data")
 
 
@@ -148,8 +153,11 @@ def collectives_of(sent: list[Sent], cluster: ClusterSpec, tp: int) -> list[Coll
     return priced
 
 
-def plan_cluster(task: Any, cfg: TrainConfig, cluster: ClusterSpec, mfu: float | None = None) -> ClusterPlan:
-    """Simulate rank 0 of ``cfg``'s job on ``cluster`` and price its step."""
+def plan_cluster(
+    task: Any, cfg: TrainConfig, cluster: ClusterSpec, mfu: float | None = None, item: Any = None
+) -> ClusterPlan:
+    """Simulate rank 0 of ``cfg``'s job on ``cluster`` and price its step (``item``: the task's first
+    training item, when read already)."""
     world = cluster.world_size
     strategy = check_config(cfg, world)
     if not strategy.simulated:
@@ -158,7 +166,7 @@ def plan_cluster(task: Any, cfg: TrainConfig, cluster: ClusterSpec, mfu: float |
     dims = strategy.dims(cfg, world)
     micro = configured_micro_batch(cfg, dims.dp)
     accumulation = cfg.global_batch_size // (dims.dp * micro)
-    batch = sample_batch(task, micro)
+    batch = sample_batch(task, micro, item)
     with fake_world(world, rank=0):
         step: RankStep = simulate_rank_step(task, cfg, strategy, dims, batch, accumulation)
     tokens = tokens_of(batch)

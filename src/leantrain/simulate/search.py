@@ -20,7 +20,7 @@ import torch
 from leantrain.blocks import BlockPolicy, block_classes
 from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError, LeantrainError
-from leantrain.simulate.cluster_plan import ClusterPlan, plan_cluster
+from leantrain.simulate.cluster_plan import ClusterPlan, first_item, plan_cluster
 from leantrain.simulate.hardware import ClusterSpec
 
 STRATEGIES = ("ddp", "fsdp")
@@ -102,13 +102,14 @@ def search(
 ) -> list[Tried]:
     """Every layout, simulated (``progress(index, tried)`` after each), fitting ones first, fastest first."""
     tried: list[Tried] = []
+    item = first_item(task)  # read once: building a task's data can take seconds
     for group in layouts(cfg, cluster, checkpointing_policies(task)):
         too_big = False
         for layout in group:
             if too_big:
                 one = Tried(layout, None, "a smaller micro-batch of this layout does not fit")
             else:
-                one = _try(task, layout, cluster, mfu)
+                one = _try(task, layout, cluster, mfu, item)
                 too_big = one.plan is not None and not one.fits
             tried.append(one)
             if progress is not None:
@@ -116,9 +117,9 @@ def search(
     return sorted(tried, key=Tried.sort_key)
 
 
-def _try(task: Any, cfg: TrainConfig, cluster: ClusterSpec, mfu: float | None) -> Tried:
+def _try(task: Any, cfg: TrainConfig, cluster: ClusterSpec, mfu: float | None, item: Any) -> Tried:
     try:
-        return Tried(cfg, plan_cluster(task, cfg, cluster, mfu))
+        return Tried(cfg, plan_cluster(task, cfg, cluster, mfu, item))
     except (LeantrainError, ValueError, RuntimeError, torch.OutOfMemoryError) as error:
         # What this layout cannot do (a degree that does not divide the heads); the search goes on.
         return Tried(cfg, None, str(error).splitlines()[0])
