@@ -166,3 +166,11 @@ def test_a_process_that_already_has_a_process_group_is_refused_before_it_breaks_
             pass
         assert dist.get_world_size() == 2  # the outer world untouched
     assert not dist.is_initialized()
+
+
+def test_a_compiled_job_is_planned_eagerly_says_so_and_keeps_its_flag(capsys):
+    flags = ["--cluster", "2xH100", "--global-batch-size", "4", "--compile", "blocks"]
+    assert main(["plan", "--task", TASK, *flags]) == 0
+    out = capsys.readouterr().out
+    assert "--precision 32 --compile blocks\n" in out  # the launch line keeps it
+    assert "- --compile blocks is planned eagerly" in out

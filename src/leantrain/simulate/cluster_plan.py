@@ -51,6 +51,7 @@ class Layout:
     micro_batch_size: int
     activation_checkpointing: str | None
     precision: str
+    compile: str = "none"  # planned eagerly (see ``report.plan_notes``), kept in the launch line
 
     def fit_flags(self) -> list[str]:
         flags = ["--strategy", self.strategy, "--micro-batch-size", str(self.micro_batch_size)]
@@ -59,6 +60,8 @@ class Layout:
             flags += ["--tp", str(self.tp)]
         if self.activation_checkpointing is not None:
             flags += ["--activation-checkpointing", self.activation_checkpointing]
+        if self.compile != "none":
+            flags += ["--compile", self.compile]
         return flags
 
 
@@ -179,5 +182,5 @@ def plan_cluster(
     traffic: dict[str, int] = {}
     for one in step.sent:
         traffic[one.kind] = traffic.get(one.kind, 0) + one.bytes * one.count
-    layout = Layout(strategy.name, dims.tp, micro, cfg.activation_checkpointing, cfg.precision)
+    layout = Layout(strategy.name, dims.tp, micro, cfg.activation_checkpointing, cfg.precision, cfg.compile)
     return ClusterPlan(cluster, layout, dims.dp, accumulation, step.memory, step.peak, timing, traffic)

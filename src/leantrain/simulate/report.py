@@ -29,6 +29,11 @@ def _seconds(value: float) -> str:
 def plan_notes(plan: ClusterPlan, fit_flags: Sequence[str] = ()) -> list[str]:
     """What goes under a plan's table: its launch line, then the time model's assumptions."""
     commands = ["launch: " + plan.command(fit_flags), "or:     " + plan.slurm_command(fit_flags)]
+    if plan.layout.compile != "none":
+        commands.append(
+            f"- --compile {plan.layout.compile} is planned eagerly: a compiled step may hold less (its "
+            "partitioner recomputes cheap values) and run faster than planned"
+        )
     return [*commands, *(f"- {line}" for line in plan.time.assumptions)]
 
 
