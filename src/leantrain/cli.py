@@ -326,10 +326,9 @@ def run_cluster_plan(
             wide.print(escape(line), soft_wrap=True)
         return
 
-    def progress(index: int, tried: Tried) -> None:
-        if not as_json:
-            shown = tried.plan.layout.fit_flags() if tried.plan else [tried.reason or ""]
-            print(f"layout {index}: {' '.join(shown)}", file=sys.stderr, flush=True)
+    def progress(index: int, tried: Tried) -> None:  # on stderr: --json's stdout stays one object
+        shown = tried.plan.layout.fit_flags() if tried.plan else [tried.reason or ""]
+        print(f"layout {index}: {' '.join(shown)}", file=sys.stderr, flush=True)
 
     tried = search_layouts(task, cfg, cluster, mfu, progress)
     if as_json:

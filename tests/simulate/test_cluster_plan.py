@@ -124,16 +124,21 @@ def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_t
     monkeypatch.setattr("leantrain.simulate.search.STRATEGIES", ("ddp",))
     cfg = TrainConfig(global_batch_size=8, precision="bf16-mixed")
     tried = search(tiny_charlm(), cfg, cluster)
-    # tp 1 (micro 1, 2, 4) and tp 2 (micro 1, 2, 4, 8), x 3 policies: 21 layouts, 6 simulated at micro 2.
+    # tp 1 (micro 1, 2, 4) and tp 2 (micro 1, 2, 4, 8), x 3 policies: 21 layouts. Simulated: each tp's
+    # micro 1 without recomputation (it fits: the recomputed ones are not tried) and micro 2 with each.
     assert len(tried) == 21
-    assert sum(cfg.micro_batch_size == 2 for cfg in simulated) == 6
-    assert all(cfg.micro_batch_size <= 2 for cfg in simulated)  # 4 and 8 never simulated
+    assert sorted((c.tp, c.micro_batch_size, c.activation_checkpointing or "-") for c in simulated) == sorted(
+        (tp, micro, policy) for tp in (1, 2) for micro, policy in
+        [(1, "-"), (2, "-"), (2, "selective"), (2, "Block")]
+    )  # fmt: skip
     fitting = [one for one in tried if one.fits]
-    assert len(fitting) == 6 and tried[:6] == fitting
+    assert len(fitting) == 2 and tried[:2] == fitting
     assert [one.plan.time.step_s for one in fitting] == sorted(one.plan.time.step_s for one in fitting)
-    skipped = [one for one in tried if one.plan is None]
-    assert {one.reason for one in skipped} == {"a smaller micro-batch of this layout does not fit"}
+    reasons = [one.reason for one in tried if one.plan is None]
+    assert reasons.count("fits with less recomputation, which is faster") == 4  # micro 1, both tps
+    assert reasons.count("a smaller micro-batch of this layout does not fit") == 21 - 8 - 4
     assert isinstance(tried[0], Tried) and tried[0].as_dict()["fits"] is True
+    assert tried[-1].as_dict()["reason"] in reasons
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ micro-batch (a power of two dividing each data-parallel rank's batch) and a prec
 configured one; a 32-bit job also tries bf16-mixed). Each is simulated as ``plan --cluster`` plans
 one (``cluster_plan.py``). A layout the model cannot take (a tensor-parallel degree that does not
 divide its heads) is listed with its reason. Memory grows with the micro-batch, so once one does not
-fit, the larger ones of the same layout are listed as not fitting without being simulated.
+fit, the larger ones of the same layout are listed as not fitting without being simulated; and a layout that
+fits with less recomputation at the same micro-batch is not simulated with more (it would fit, slower).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from leantrain.simulate.cluster_plan import ClusterPlan, first_item, plan_cluste
 from leantrain.simulate.hardware import ClusterSpec
 
 STRATEGIES = ("ddp", "fsdp")
+DOMINATED = "fits with less recomputation, which is faster"
 
 
 @dataclass(frozen=True)
@@ -57,17 +59,19 @@ class Tried:
 
 
 def checkpointing_policies(task: Any) -> list[str | None]:
-    """None, the model's repeated blocks, and op-level selective checkpointing when leantrain has it."""
+    """From the least recomputation to the most: none, op-level selective checkpointing of the model's
+    repeated blocks (when leantrain has it), the whole blocks. The search skips a policy at a micro-batch
+    that a lighter one fits."""
     with torch.device("meta"):
         blocks = block_classes(task.model())
     policies: list[str | None] = [None]
     if blocks:
-        policies.append(",".join(blocks))
         try:
             BlockPolicy.parse("selective")
             policies.append("selective")
         except ConfigError:
             pass  # this leantrain has no selective checkpointing
+        policies.append(",".join(blocks))
     return policies
 
 
@@ -103,14 +107,20 @@ def search(
     """Every layout, simulated (``progress(index, tried)`` after each), fitting ones first, fastest first."""
     tried: list[Tried] = []
     item = first_item(task)  # read once: building a task's data can take seconds
+    fitted: set[tuple[Any, ...]] = set()  # layouts that fit, less their recomputation
     for group in layouts(cfg, cluster, checkpointing_policies(task)):
         too_big = False
         for layout in group:
+            key = (layout.strategy, layout.tp, layout.precision, layout.micro_batch_size)
             if too_big:
                 one = Tried(layout, None, "a smaller micro-batch of this layout does not fit")
+            elif key in fitted:  # recomputing more costs compute and saves memory it does not need
+                one = Tried(layout, None, DOMINATED)
             else:
                 one = _try(task, layout, cluster, mfu, item)
                 too_big = one.plan is not None and not one.fits
+                if one.fits:
+                    fitted.add(key)
             tried.append(one)
             if progress is not None:
                 progress(len(tried), one)
