@@ -15,6 +15,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from leantrain.simulate.propagation import ShapePropagation
+
 _aten = torch.ops.aten
 # A plan runs on CPU fake tensors, where scaled-dot-product attention is the CPU flash kernel, which
 # torch's counter has no formula for (it would count 0: a fifth of a Llama 8B's FLOPs at 8192
@@ -24,40 +26,16 @@ _KERNELS = (  # (the CPU kernel, the CUDA kernel whose formula counts it)
     ("_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward"),
 )
 _ALIASES = {getattr(_aten, cpu): getattr(_aten, cuda) for cpu, cuda in _KERNELS}
-_PROPAGATE = "_propagate_tensor_meta_non_cached"
 
 
 class LocalFlops(TorchDispatchMode):
-    """``with LocalFlops() as counted: ...``; then ``counted.flops``."""
+    """``with ShapePropagation() as propagation, LocalFlops(propagation) as counted: ...``; then
+    ``counted.flops``."""
 
-    def __init__(self) -> None:
+    def __init__(self, propagation: ShapePropagation) -> None:
         super().__init__()
         self.flops = 0
-        self._propagating = 0  # inside DTensor's propagation of shapes (see ``__enter__``)
-
-    def __enter__(self) -> LocalFlops:
-        # DTensor learns an op's output shapes by running it at whole shapes on fake tensors (of the
-        # plan's own fake mode): no rank computes that one. While it does, nothing is counted. Its
-        # method is private: a torch without it leaves the count as torch's counter would give it.
-        propagator = DTensor._op_dispatcher.sharding_propagator
-        original = getattr(propagator, _PROPAGATE, None)
-        if original is not None:
-
-            def propagate(*args: Any, **kwargs: Any) -> Any:
-                self._propagating += 1
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    self._propagating -= 1
-
-            setattr(propagator, _PROPAGATE, propagate)  # on the instance: __exit__ removes it
-        return super().__enter__()
-
-    def __exit__(self, *error: object) -> None:
-        propagator = DTensor._op_dispatcher.sharding_propagator
-        if _PROPAGATE in vars(propagator):
-            delattr(propagator, _PROPAGATE)
-        super().__exit__(*error)
+        self.propagation = propagation  # DTensor's ops at whole shapes are no rank's
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -68,6 +46,6 @@ class LocalFlops(TorchDispatchMode):
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         formula = flop_registry.get(_ALIASES.get(packet, packet))
-        if formula is not None and not self._propagating:
+        if formula is not None and not self.propagation.running:
             self.flops += int(formula(*args, **kwargs, out_val=out))
         return out

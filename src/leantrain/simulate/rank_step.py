@@ -34,6 +34,7 @@ from leantrain.memory.accountant import MemoryBreakdown, SavedActivations, break
 from leantrain.memory.estimate import fake_copy_of_parameters
 from leantrain.memory.recompute import apply_activation_checkpointing
 from leantrain.simulate.local_flops import LocalFlops
+from leantrain.simulate.propagation import ShapePropagation
 from leantrain.simulate.traffic import Sent, TrafficLog
 from leantrain.step.accumulator import MicroLoss
 from leantrain.step.precision import Precision, make_precision
@@ -109,12 +110,17 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter
     optimizer.zero_grad(set_to_none=True)
 
 
-def _peak_tracker() -> Any:
-    """torch's ``MemTracker``, keeping only the step's peak: its per-module peaks walk every module at
-    every op (three quarters of a Llama 8B plan's time), and the plan reads the step's alone."""
+def _peak_tracker(propagation: ShapePropagation) -> Any:
+    """torch's ``MemTracker``, keeping only the step's peak (its per-module peaks walk every module at
+    every op: three quarters of a Llama 8B plan's time, and the plan reads the step's alone), and
+    leaving out DTensor's tensors of whole shapes (``propagation.py``)."""
     from torch.distributed._tools import mem_tracker
 
     class StepPeak(mem_tracker.MemTracker):
+        def _track(self, reftype: Any, tensor: torch.Tensor) -> None:
+            if not propagation.running:
+                super()._track(reftype, tensor)
+
         def _update_peak_stats(self, peak_state: Any) -> None:
             for device, snapshot in self._curr_mem_snap.items():
                 if self._peak_mem.get(device, 0) < snapshot[mem_tracker._TOTAL_KEY]:
@@ -179,7 +185,8 @@ def simulate_rank_step(
         optimizer = task.optimizer(iter(params))
         _optimizer_state(optimizer, params)
         runs = min(accumulation, 2)  # one without gradient sync, the last with it
-        log, tracker, flops = TrafficLog(), _peak_tracker(), LocalFlops()
+        propagation = ShapePropagation()
+        log, tracker, flops = TrafficLog(), _peak_tracker(propagation), LocalFlops(propagation)
         tracker.track_external(strategy.module, optimizer, *strategy.held())
         saved = SavedActivations(strategy.model.parameters())
         first = True
@@ -193,7 +200,7 @@ def simulate_rank_step(
                 return task.loss(module, batch)
 
         samples = int(cfg.global_batch_size // (dims.dp * accumulation))
-        with tracker, flops, log:
+        with propagation, tracker, flops, log:
             strategy.forward_backward(
                 loss_fn, iter(_Batches(micro, runs, log, tracker)), runs,
                 lambda loss, index: _term(loss, index, samples), precision, lambda: None,
