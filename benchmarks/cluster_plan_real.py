@@ -73,9 +73,8 @@ def worker(task_name: str, flags: list[str], out: Path) -> None:
 
 
 def real_run(task: str, processes: int, flags: list[str], out: Path) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-               "--master-port", str(29700 + processes), __file__, "--worker", task, str(out),
-               *flags]  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(processes), __file__, "--worker", task, str(out), *flags]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'src'}", "OMP_NUM_THREADS": "1"}
     subprocess.run(command, check=True, env=env, capture_output=True, timeout=600)
     return json.loads(out.read_text())
