@@ -168,7 +168,7 @@ def test_cli_json_and_a_self_contained_report(tmp_path: Path, capsys: pytest.Cap
     assert "url(http" not in report.read_text()
 
 
-@pytest.mark.serial  # its verdict compares data and compute time: beside 14 test workers, compute won
+@pytest.mark.serial  # its verdict weighs data against compute time: beside other tests, compute won
 def test_cli_terminal_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     flags = ["--steps", "2", "--warmup-steps", "1", "--global-batch-size", "16", "--progress", "none"]
     code = main(["doctor", "--example", "slowdata", *flags, "--out", str(tmp_path / "run")])
