@@ -41,9 +41,8 @@ def test_fsdp_on_two_processes_trains_as_one_process(tmp_path, task, tolerance):
     # plan --cluster simulates each rank on fake tensors: what the run measured, to the byte.
     fit_arguments = [*FIT, "--task", f"tests.distributed.tasks:{task}"]
     assert accounted(planned([*fit_arguments, *sharded_flags], 2)) == summarized(sharded)
-    assert accounted(planned([*fit_arguments, "--micro-batch-size", "16", "--ema-decay", "0.8"], 1)) == summarized(
-        single
-    )
+    alone = ["--micro-batch-size", "16", "--ema-decay", "0.8"]
+    assert accounted(planned([*fit_arguments, *alone], 1)) == summarized(single)
 
 
 def test_a_transformers_gpt2_trains_under_fsdp_as_one_process_with_the_same_weight_names(tmp_path):
