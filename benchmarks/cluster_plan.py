@@ -25,9 +25,8 @@ activation checkpointing and bf16-mixed (FSDP params in bf16, reductions in fp32
 Per row: the predicted peak of live bytes (``peak_bytes``) and what the allocator is modelled to reserve
 (``reserved_bytes``, peak + 10 %, no CUDA context), each against the published figure (most likely
 torchtitan's peak *reserved*, GiB), the predicted tokens/s per GPU against the published, the plan's
-wall time and the plan process's peak RSS. A last column adds the attention FLOPs the plan's counter
-misses (``_scaled_dot_product_flash_attention_for_cpu`` has no FLOP formula: the fake step runs the CPU
-kernel), computed here with torch's own sdpa formulas at the same 35 % MFU. Then one ``--search`` for
+wall time and the plan process's peak RSS (the plan counts attention's FLOPs: the CPU flash kernel of
+its fake step by its CUDA twin's formula). Then one ``--search`` for
 the 8B on 8 GPUs: its wall time, the layouts it tried and its five fastest.
 
     python benchmarks/cluster_plan.py          # every row and the search (about 12 min on 2 cores)
@@ -67,8 +66,6 @@ SEARCH_TIMEOUT_S = 1500
 TARGET_PLAN_S = 120
 TARGET_SEARCH_S = 600
 MIN_LAYOUTS = 50
-# Llama 3.1 shapes: layers, query heads, head dim (for the attention FLOPs the plan misses).
-SHAPES = {"8b": (32, 32, 128), "70b": (80, 64, 128)}
 
 
 @dataclass(frozen=True)
@@ -201,19 +198,6 @@ def child_peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 
 
-def missed_attention_flops(row: Row, recomputed: bool) -> float:
-    """The attention FLOPs of one rank's step the plan's counter does not see, by torch's own formulas
-    (``sdpa_flop_count``: not causal; its backward 2.5x the forward), the forward counted again where
-    the whole block is recomputed."""
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
-    layers, heads, head_dim = SHAPES[row.size]
-    q = (row.local_batch, heads // row.tp, SEQ_LEN, head_dim)
-    forward = sdpa_flop_count(q, q, q)
-    per_layer = forward * (2 if recomputed else 1) + sdpa_backward_flop_count(q, q, q, q)
-    return float(per_layer * layers)
-
-
 @dataclass
 class Planned:
     row: Row
@@ -223,16 +207,6 @@ class Planned:
 
     def get(self, key: str) -> Any:
         return None if self.run.result is None else self.run.result[key]
-
-    def tokens_with_attention(self) -> float | None:
-        """tokens/s per GPU with the missed attention FLOPs added to compute (exposed communication kept
-        as planned: more compute can only hide more of it)."""
-        if self.run.result is None:
-            return None
-        res = self.run.result
-        extra = missed_attention_flops(self.row, self.row.checkpointing == "full") / (MFU * H100_BF16)
-        tokens = res["time_tokens_per_s_per_gpu"] * res["time_step_s"]
-        return tokens / (res["time_step_s"] + extra)
 
 
 @dataclass
@@ -286,29 +260,28 @@ def section(planned: list[Planned], search: Search | None, started: str, load: t
         "+ the modelled 10 % allocator overhead; the CUDA context is not in either, nor in torchtitan's "
         "figure). Published: torchtitan's memory figure (GiB; most likely peak reserved, see above). "
         "Ratios are predicted / published; **miss**: more than 10 % off. Tokens/s per GPU at the "
-        "default 35 % MFU; *+attn*: with the attention FLOPs the plan's counter misses added "
-        "(computed here, see below).",
+        "default 35 % MFU.",
         "",
         "| row | GPUs (dp x tp) | local batch | checkpointing planned as | published in | peak GiB | "
-        "reserved GiB | published GiB | peak / pub. | reserved / pub. | tok/s/GPU | +attn | published "
-        "tok/s/GPU | tok/s / pub. | +attn / pub. | plan s | RSS GiB |",
-        "| -- | -- | --: | -- | -- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |",
+        "reserved GiB | published GiB | peak / pub. | reserved / pub. | tok/s/GPU | published "
+        "tok/s/GPU | tok/s / pub. | plan s | RSS GiB |",
+        "| -- | -- | --: | -- | -- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |",
     ]
     for one in planned:
         row, run = one.row, one.run
         layout = f"{row.gpus} ({row.dp} x {row.tp})" + (", compile" if row.compiled else "")
         head = f"| {row.row} | {layout} | {row.local_batch} | {one.variant.name} | {row.like_for_like} "
         if run.result is None:
-            lines.append(head + f"| {run.error} |" + " |" * 11 + f" {run.wall_s:.1f} | |")
+            lines.append(head + f"| {run.error} |" + " |" * 9 + f" {run.wall_s:.1f} | |")
             continue
         peak, reserved = one.get("peak_bytes"), one.get("reserved_bytes")
-        tokens, with_attention = one.get("time_tokens_per_s_per_gpu"), one.tokens_with_attention()
+        tokens = one.get("time_tokens_per_s_per_gpu")
         published_tokens = row.tps_note or f"{row.tps:,.0f}"
         lines.append(
             head
             + f"| {gib(peak)} | {gib(reserved)} | {row.memory_gib:g} | {ratio(peak / GIB, row.memory_gib)} "
-            f"| {ratio(reserved / GIB, row.memory_gib)} | {tokens:,.0f} | {with_attention:,.0f} "
-            f"| {published_tokens} | {tokens / row.tps:.2f} | {with_attention / row.tps:.2f} "
+            f"| {ratio(reserved / GIB, row.memory_gib)} | {tokens:,.0f} "
+            f"| {published_tokens} | {tokens / row.tps:.2f} "
             f"| {run.wall_s:.1f} | {one.rss_bytes / GIB:.2f} |"
         )
     lines += ["", "Not planned:", ""]
