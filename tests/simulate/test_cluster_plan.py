@@ -179,3 +179,17 @@ def test_a_compiled_job_is_planned_eagerly_says_so_and_keeps_its_flag(capsys):
     out = capsys.readouterr().out
     assert "--precision 32 --compile blocks\n" in out  # the launch line keeps it
     assert "- --compile blocks is planned eagerly" in out
+
+
+def test_a_group_across_nodes_is_priced_at_the_network_not_nvlink():
+    """Bug: every group priced as inside a node (the nodes read from the group's ranks)."""
+    cfg = TrainConfig(strategy="fsdp", global_batch_size=8, micro_batch_size=2)
+    one_node, two_nodes = (
+        plan_cluster(tiny_charlm(), cfg, parse_cluster(text)) for text in ("1x2xH100", "2x1xH100")
+    )
+    assert one_node.traffic == two_nodes.traffic
+    gpu = one_node.cluster.gpu
+    sent = sum(one_node.traffic.values()) / 2  # each rank of a ring of 2 sends half of every whole tensor
+    extra = sent / gpu.inter_node_bytes_per_s - sent / gpu.intra_node_bytes_per_s
+    difference = two_nodes.time.communication_s - one_node.time.communication_s
+    assert difference > extra  # the network's bandwidth, and its larger latency per ring step
