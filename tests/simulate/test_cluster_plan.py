@@ -193,3 +193,15 @@ def test_a_group_across_nodes_is_priced_at_the_network_not_nvlink():
     extra = sent / gpu.inter_node_bytes_per_s - sent / gpu.intra_node_bytes_per_s
     difference = two_nodes.time.communication_s - one_node.time.communication_s
     assert difference > extra  # the network's bandwidth, and its larger latency per ring step
+
+
+def test_tensor_parallel_collectives_are_exposed_and_data_parallel_ones_hide_behind_compute():
+    """Bug: a tensor-parallel collective (the next operation waits for it) priced as overlapping compute."""
+    tp_only = plan_cluster(tiny_charlm(), TrainConfig(tp=2, global_batch_size=8), parse_cluster("2xH100"))
+    assert tp_only.dp == 1 and tp_only.time.communication_s > 0
+    assert tp_only.time.exposed_communication_s == tp_only.time.communication_s
+    fsdp = plan_cluster(
+        tiny_charlm(), TrainConfig(strategy="fsdp", global_batch_size=8), parse_cluster("2xH100")
+    )
+    hidden = min(fsdp.time.communication_s, 0.8 * fsdp.time.compute_s)  # step_time's default overlap
+    assert fsdp.time.exposed_communication_s == pytest.approx(fsdp.time.communication_s - hidden)
