@@ -103,14 +103,41 @@ def test_sequence_parallelism_gathers_before_a_colwise_and_reduce_scatters_after
 
 
 def test_a_sequence_that_does_not_divide_is_one_line():
-    from leantrain.strategies.sequence import _split_first_input
+    from leantrain.strategies.sequence import _split
 
     class PairOfRanks:
         def size(self) -> int:
             return 2
 
     with pytest.raises(lt.ConfigError, match="invalid tp=2: must divide the sequence length 15"):
-        _split_first_input(PairOfRanks(), nn.Identity(), (torch.zeros(1, 15, 4),))
+        _split(PairOfRanks(), torch.zeros(1, 15, 4))
+
+
+@pytest.mark.parametrize(("move", "length"), [("split", 4), ("gather", 16)])
+def test_a_module_given_its_input_by_keyword_has_it_moved(move, length):
+    """transformers calls its attention with ``hidden_states=``: a hook that moved only a positional
+    input could not split or gather it (the module got the whole sequence, or failed)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from leantrain.simulate.fake_world import fake_world
+    from leantrain.strategies.sequence import add_sequence_moves
+
+    class Attention(nn.Module):
+        def forward(self, *, hidden_states: torch.Tensor, scale: float) -> torch.Tensor:
+            return hidden_states * scale
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = Attention()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attention(hidden_states=x, scale=2.0)
+
+    with fake_world(2, 0):  # shapes only: the fake group moves no values
+        layer = Layer()
+        add_sequence_moves(layer, {"attention": move}, init_device_mesh("cpu", (2,)))
+        assert layer(torch.ones(3, 8, 5)).shape == (3, length, 5)
 
 
 def test_a_transformers_model_brings_its_own_plan_under_its_prefix():
