@@ -105,14 +105,6 @@ class _TorchtitanOp:
         )  # fmt: skip
 
 
-def _hidden_states_first(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """transformers' decoder layer calls its attention with ``hidden_states=`` by keyword: made positional."""
-    if not args and "hidden_states" in kwargs:
-        kwargs = dict(kwargs)
-        args = (kwargs.pop("hidden_states"),)
-    return args, kwargs
-
-
 class Llama31Task:
     def __init__(
         self, size: str = "8b", seq_len: int = 8192, lr: float = 3e-4, checkpoint: str | None = None
@@ -144,9 +136,6 @@ class Llama31Task:
         split by input and reduce-scattered back into the positions; the head split by vocabulary (its loss
         on the split logits: ``--loss-parallel``, leantrain's default). transformers' own plan has no
         sequence parallelism: each rank would keep every block's whole input."""
-        # leantrain's sequence moves take a module's first positional input.
-        for layer in model.model.layers:
-            layer.self_attn.register_forward_pre_hook(_hidden_states_first, with_kwargs=True)
         layers = "model.layers.*"
         return {
             "model.embed_tokens": "embedding_rowwise",
