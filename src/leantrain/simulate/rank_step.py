@@ -68,7 +68,7 @@ def fake_batch(batch: Any, mode: FakeTensorMode | None, precision: Precision) ->
     return tree_map_only(torch.Tensor, convert, batch)
 
 
-def _term(loss: Any, micro: int, samples: int) -> MicroLoss:
+def _term(loss: Any, samples: int) -> MicroLoss:
     """What backward runs on: the step's weighting does not change what is held."""
     value = loss.sum if isinstance(loss, LossSum) else loss
     if not isinstance(value, torch.Tensor):
@@ -203,7 +203,7 @@ def simulate_rank_step(
         with propagation, tracker, flops, log:
             strategy.forward_backward(
                 loss_fn, iter(_Batches(micro, runs, log, tracker)), runs,
-                lambda loss, index: _term(loss, index, samples), precision, lambda: None,
+                lambda loss, index: _term(loss, samples), precision, lambda: None,
             )  # fmt: skip
             log.micro = None
             grads = [p for p in strategy.model.parameters() if p.requires_grad]
