@@ -50,15 +50,15 @@ test-slurm: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m cuda -q -rs $(PYTEST_ARGS)
 
-# The mutation check (tests/MUTATION.md): each line of the modules that carry the training math
-# changed one at a time; their fast tests must fail. Slow, not part of `make test` or CI: run it
-# before changing those modules, and keep the table current. `make mutate MUTANTS='leantrain.step.losses*'`
-# checks one module; a stopped run continues where it stopped.
+# The mutation check (tests/MUTATION.md): each line of every module changed one at a time; the tests
+# that reach it must fail. Slow, not part of `make test` or CI. Incremental: only the mutants of code
+# changed since the last run, or reached by tests changed since then. `make mutate MUTANTS='leantrain.log.*'`
+# checks those modules; `make mutate FULL=1` runs every mutant again from an empty mutants/ folder.
 MUTANTS ?=
+FULL ?=
 mutate: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[mutate]"
-	$(VENV)/bin/mutmut run $(MUTANTS)
-	$(PY) tests/mutation_report.py
+	$(PY) tests/mutation_run.py $(if $(FULL),--full) $(MUTANTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks

@@ -25,6 +25,16 @@ _SOURCE_ROOT = str(Path(lt.__file__).resolve().parents[1])
 _OTHER_PATHS = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _SOURCE_ROOT]
 os.environ["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, *_OTHER_PATHS])
 
+# Under `make mutate`, mutmut first records which functions each test reaches. It sees only the test
+# process; tests/mutation_hooks/sitecustomize.py records what the processes a test starts run, in
+# files that `pytest_runtest_teardown` below adds to the test's record (tests/MUTATION.md).
+PROCESS_HITS = Path(__file__).resolve().parent.parent / "process-hits"  # in mutmut's mutants/ copy
+if "MUTANT_UNDER_TEST" in os.environ:
+    PROCESS_HITS.mkdir(exist_ok=True)
+    os.environ["MUTMUT_PROCESS_HITS"] = str(PROCESS_HITS)
+    _HOOKS = str(Path(__file__).resolve().with_name("mutation_hooks"))
+    os.environ["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, _HOOKS, *_OTHER_PATHS])
+
 
 def python_path(*first: str | Path) -> str:
     """PYTHONPATH for a process a test starts: ``first``, then this process's (the source tree, and
@@ -287,13 +297,20 @@ class HeavyFromStep(RegressionTask):
 # The tests that start processes (launches, the CLI, kills) are the long ones: they run first, so
 # that `make test`'s pytest-xdist workers end on short tests. Work stealing moves queued tests,
 # not a running one: a long test started last would run alone while the other worker idles.
-PROCESS_TESTS = ("tests/distributed/", "tests/e2e/", "tests/launch/")
+# tests/test_peer_bugs.py shares two launches among its tests.
+PROCESS_TESTS = ("tests/distributed/", "tests/e2e/", "tests/launch/", "tests/test_peer_bugs.py")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mutant = os.environ.get("MUTANT_UNDER_TEST", "")
     if "__mutmut_" in mutant:
         items.sort(key=_mutant_test_order(mutant))
+        from mutmut.state import state  # pinned to 3.8.x: its measured test durations
+
+        beyond = _beyond_the_budget(items, state().duration_by_test, MUTANT_TEST_SECONDS)
+        if beyond:
+            config.hook.pytest_deselected(items=items[-beyond:])
+            del items[-beyond:]
         return
     items.sort(key=lambda item: not item.nodeid.startswith(PROCESS_TESTS))  # stable: order kept within
 
@@ -304,6 +321,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # mutants go first, most kills first, then the rest fastest first: a killed mutant runs one or two
 # tests, not the ~60 that reached its function before the one that kills it.
 KILLERS = Path(__file__).resolve().parent.parent / "mutmut-killers.txt"  # in mutmut's mutants/ copy
+
+
+# A function every fit reaches is reached by ~900 tests (18 minutes): a mutant of it that survives would
+# run them all. A mutant runs its tests in the order above until their recorded time passes this budget;
+# one that survives them is a survivor (at worst a bug a slower test would have caught: a fast test for
+# it is worth writing). MUTANT_TEST_SECONDS=0: no budget.
+MUTANT_TEST_SECONDS = float(os.environ.get("MUTANT_TEST_SECONDS", "120"))
+
+
+def _beyond_the_budget(ordered: list[pytest.Item], durations: dict[str, float], budget: float) -> int:
+    """How many of the last tests of ``ordered`` fall past ``budget`` seconds of their recorded
+    ``durations``; the first test always runs, and a budget of 0 runs them all."""
+    if budget <= 0:
+        return 0
+    spent = 0.0
+    for index, item in enumerate(ordered):
+        spent += durations.get(item.nodeid, 0.0)
+        if spent > budget and index > 0:
+            return len(ordered) - index
+    return 0
 
 
 def _mutated_function(mutant: str) -> str:
@@ -329,6 +366,17 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.failed and "__mutmut_" in mutant:
         with KILLERS.open("a") as killers:  # one short line per write: appends do not interleave
             killers.write(f"{_mutated_function(mutant)}\t{report.nodeid}\n")
+
+
+@pytest.hookimpl(tryfirst=True)  # before mutmut's own teardown hook reads the test's record
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if os.environ.get("MUTANT_UNDER_TEST") != "stats":
+        return
+    from mutmut.state import state  # pinned to 3.8.x: the hits it records for the running test
+
+    for hits in PROCESS_HITS.glob("*.hits"):
+        state()._stats.update(hits.read_text().split())
+        hits.unlink()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,0 +1,32 @@
+"""Under ``make mutate`` only: tell mutmut which functions the processes a test starts have run.
+
+mutmut learns which tests reach a function by recording, in the test process, each call that passes
+through a mutated function's trampoline. torchrun's workers, the CLI and a killed save run in processes
+of their own, so what only they execute (the reductions of a world > 1, what ranks > 0 log) was never
+recorded, and every mutant there counted as untested. ``tests/conftest.py`` puts this folder first on
+the path of the processes tests start, only while mutmut records (``MUTANT_UNDER_TEST=stats``); Python
+imports this module at start-up, and every hit in the process is appended, once per function, to a file
+of its own in ``MUTMUT_PROCESS_HITS``. The test process adds those files to the test's hits when the
+test ends. Nothing here runs outside ``make mutate``.
+"""
+
+import os
+
+
+def _record_hits_in_a_file(folder: str) -> None:
+    from mutmut.mutation import trampoline
+
+    seen: set[str] = set()
+    path = os.path.join(folder, f"{os.getpid()}.hits")
+
+    def record(name: str, caller: str | None = None) -> None:
+        if name not in seen:  # a line per function, not per call: the step loop calls some every step
+            seen.add(name)
+            with open(path, "a") as hits:  # written as it happens: a killed process keeps what it ran
+                hits.write(name + "\n")
+
+    trampoline.record_trampoline_hit = record
+
+
+if os.environ.get("MUTANT_UNDER_TEST") == "stats" and os.environ.get("MUTMUT_PROCESS_HITS"):
+    _record_hits_in_a_file(os.environ["MUTMUT_PROCESS_HITS"])

@@ -1,0 +1,156 @@
+"""`make mutate`: the mutation check, incremental by default (tests/MUTATION.md).
+
+mutmut keeps each mutant's result in ``mutants/`` and runs again only the mutants of functions whose
+source changed. A changed *test* goes unseen by it: a test weakened since the last run would still be
+counted as killing its mutants. So before mutmut runs, this script compares every file under tests/ with
+the hashes it saved last time, and for each file that changed (or is new, or gone):
+
+- the mutants of every function its tests reached are set back to *not checked*;
+- its tests are dropped from mutmut's record of which tests reach which function, so that mutmut records
+  them again (a changed test may reach other functions now).
+
+A changed helper (``conftest.py``, a module of shared tasks) changes every test in its folder and below.
+Then mutmut runs the mutants not checked yet, of every module or of the modules the patterns name.
+``--full`` empties ``mutants/`` first: every mutant again, from a fresh record.
+
+    python tests/mutation_run.py                         # what changed since the last run
+    python tests/mutation_run.py 'leantrain.log.*'       # the same, for the modules the patterns name
+    python tests/mutation_run.py --full                  # everything
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MUTANTS = ROOT / "mutants"
+TEST_HASHES = MUTANTS / "test-hashes.json"
+STATS = MUTANTS / "mutmut-stats.json"
+
+
+# What `mutmut run` does first (mutmut 3.8.x, pinned): the mutated copy of the source as it is now, with
+# the results of unchanged functions kept and those of changed ones set back to not checked.
+GENERATE = """
+import os
+from mutmut.__main__ import copy_also_copy_files, copy_src_dir, create_mutants, setup_source_paths
+from mutmut.mutation.trampoline import set_mutant_under_test
+set_mutant_under_test("mutant_generation")
+copy_src_dir(); copy_also_copy_files(); setup_source_paths(); create_mutants(os.cpu_count() or 2)
+"""
+
+
+def hashes_of_test_files(tests: Path) -> dict[str, str]:
+    """Path relative to the repository -> sha256, for every Python file under ``tests``."""
+    return {
+        str(path.relative_to(tests.parent)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(tests.rglob("*.py"))
+        if "__pycache__" not in path.parts
+    }
+
+
+def changed_test_files(old: dict[str, str], new: dict[str, str]) -> set[str]:
+    """The test files whose tests may check something else now: those changed, added or removed, and
+    for a changed helper (any file not named ``test_*.py``) every test file in its folder and below."""
+    changed = {path for path in old.keys() | new.keys() if old.get(path) != new.get(path)}
+    for helper in [path for path in changed if not Path(path).name.startswith("test_")]:
+        folder = str(Path(helper).parent) + "/"
+        changed |= {path for path in new if path.startswith(folder)}
+    return changed
+
+
+def forget_tests(stats: dict, files: set[str]) -> set[str]:
+    """Drop the tests of ``files`` from mutmut's record (in place); return the functions they reached."""
+
+    def of_files(test: str) -> bool:
+        return test.split("::", 1)[0] in files
+
+    reached = set()
+    for function, tests in stats["tests_by_mangled_function_name"].items():
+        kept = [test for test in tests if not of_files(test)]
+        if len(kept) < len(tests):
+            reached.add(function)
+            stats["tests_by_mangled_function_name"][function] = kept
+    stats["duration_by_test"] = {t: d for t, d in stats["duration_by_test"].items() if not of_files(t)}
+    return reached
+
+
+def function_of(mutant: str) -> str:
+    """``leantrain.log.sinks.xǁJsonlSinkǁwrite__mutmut_3`` -> ``leantrain.log.sinks.xǁJsonlSinkǁwrite``."""
+    return mutant.rsplit("__mutmut_", 1)[0]
+
+
+def uncheck_mutants_of(functions: set[str], mutants: Path) -> int:
+    """Set the recorded result of every mutant of ``functions`` back to not checked; how many were."""
+    count = 0
+    for meta in mutants.rglob("*.py.meta"):
+        data = json.loads(meta.read_text())
+        results = data["exit_code_by_key"]
+        stale = [
+            name for name, code in results.items() if code is not None and function_of(name) in functions
+        ]
+        for name in stale:
+            results[name] = None
+        if stale:
+            meta.write_text(json.dumps(data, indent=4))
+            count += len(stale)
+    return count
+
+
+def not_checked(patterns: list[str], mutants: Path) -> list[str]:
+    """The mutants not checked yet whose names match one of ``patterns`` (all when none is given)."""
+    names = []
+    for meta in sorted(mutants.rglob("*.py.meta")):
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            if code is None and (not patterns or any(fnmatch.fnmatch(name, p) for p in patterns)):
+                names.append(name)
+    return names
+
+
+def invalidate_changed_tests() -> None:
+    """Apply the changes of tests/ since the last run to mutmut's record and results (see the module)."""
+    new = hashes_of_test_files(ROOT / "tests")
+    if TEST_HASHES.is_file() and STATS.is_file():
+        changed = changed_test_files(json.loads(TEST_HASHES.read_text()), new)
+        if changed:
+            stats = json.loads(STATS.read_text())
+            reached = forget_tests(stats, changed)
+            STATS.write_text(json.dumps(stats, indent=4))
+            again = uncheck_mutants_of(reached, MUTANTS)
+            print(f"{len(changed)} test files changed: {again} mutants of {len(reached)} functions run again")
+    MUTANTS.mkdir(exist_ok=True)
+    TEST_HASHES.write_text(json.dumps(new, indent=1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("patterns", nargs="*", help="mutant names or fnmatch patterns ('leantrain.log.*')")
+    parser.add_argument("--full", action="store_true", help="empty mutants/ first: every mutant again")
+    args = parser.parse_args()
+    mutmut = [str(Path(sys.executable).with_name("mutmut")), "run"]
+    if args.full:
+        shutil.rmtree(MUTANTS, ignore_errors=True)
+    invalidate_changed_tests()
+    if args.patterns and STATS.is_file():
+        # mutmut runs every mutant a pattern names again, checked or not: name the unchecked ones, of
+        # the source as it is now.
+        subprocess.check_call([sys.executable, "-c", GENERATE], cwd=ROOT)
+        names = not_checked(args.patterns, MUTANTS)
+        if not names:
+            print("every mutant these patterns name is checked already")
+            return subprocess.call([sys.executable, str(ROOT / "tests" / "mutation_report.py")], cwd=ROOT)
+        mutmut += names
+    else:
+        mutmut += args.patterns
+    code = subprocess.call(mutmut, cwd=ROOT)
+    return code or subprocess.call([sys.executable, str(ROOT / "tests" / "mutation_report.py")], cwd=ROOT)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""tests/mutation_run.py: `make mutate` runs again what changed tests may now check differently."""
+
+from __future__ import annotations
+
+import json
+
+from tests.mutation_run import (
+    changed_test_files,
+    forget_tests,
+    hashes_of_test_files,
+    not_checked,
+    uncheck_mutants_of,
+)
+
+SINKS = "leantrain.log.sinks.xǁJsonlSinkǁwrite"
+DDP = "leantrain.strategies.ddp.x_all_reduce"
+
+
+def test_a_changed_helper_changes_every_test_file_below_its_folder(tmp_path):
+    tests = tmp_path / "tests"
+    (tests / "log").mkdir(parents=True)
+    for name in ("conftest.py", "test_top.py", "log/conftest.py", "log/test_sinks.py", "log/test_metrics.py"):
+        (tests / name).write_text("x = 1\n")
+    old = hashes_of_test_files(tests)
+    assert set(old) == {
+        "tests/conftest.py",
+        "tests/test_top.py",
+        "tests/log/conftest.py",
+        "tests/log/test_sinks.py",
+        "tests/log/test_metrics.py",
+    }
+
+    (tests / "log" / "test_sinks.py").write_text("x = 2\n")
+    assert changed_test_files(old, hashes_of_test_files(tests)) == {"tests/log/test_sinks.py"}
+
+    (tests / "log" / "test_sinks.py").write_text("x = 1\n")
+    (tests / "log" / "conftest.py").write_text("x = 2\n")
+    assert changed_test_files(old, hashes_of_test_files(tests)) == {
+        "tests/log/conftest.py",
+        "tests/log/test_sinks.py",
+        "tests/log/test_metrics.py",
+    }
+
+    (tests / "log" / "conftest.py").write_text("x = 1\n")
+    (tests / "log" / "test_metrics.py").unlink()
+    (tests / "test_new.py").write_text("x = 1\n")
+    assert changed_test_files(old, hashes_of_test_files(tests)) == {
+        "tests/log/test_metrics.py",
+        "tests/test_new.py",
+    }
+
+
+def test_the_tests_of_changed_files_are_forgotten_and_the_functions_they_reached_named():
+    stats = {
+        "tests_by_mangled_function_name": {
+            SINKS: ["tests/log/test_sinks.py::test_a", "tests/test_top.py::test_b"],
+            DDP: ["tests/test_top.py::test_b"],
+        },
+        "duration_by_test": {"tests/log/test_sinks.py::test_a": 1.0, "tests/test_top.py::test_b": 2.0},
+    }
+    assert forget_tests(stats, {"tests/log/test_sinks.py"}) == {SINKS}
+    assert stats["tests_by_mangled_function_name"] == {
+        SINKS: ["tests/test_top.py::test_b"],
+        DDP: ["tests/test_top.py::test_b"],
+    }
+    assert stats["duration_by_test"] == {"tests/test_top.py::test_b": 2.0}
+
+
+def test_the_mutants_of_the_named_functions_are_not_checked_again_and_the_others_keep_their_results(tmp_path):
+    meta = tmp_path / "src" / "leantrain" / "log" / "sinks.py.meta"
+    meta.parent.mkdir(parents=True)
+    results = {
+        f"{SINKS}__mutmut_1": 1,
+        f"{SINKS}__mutmut_2": 0,
+        f"{SINKS}__mutmut_3": None,
+        f"{DDP}__mutmut_1": 1,
+    }
+    meta.write_text(json.dumps({"exit_code_by_key": results, "hash_by_function_name": {}}))
+
+    assert uncheck_mutants_of({SINKS}, tmp_path) == 2
+    after = json.loads(meta.read_text())
+    assert after["exit_code_by_key"] == {
+        f"{SINKS}__mutmut_1": None,
+        f"{SINKS}__mutmut_2": None,
+        f"{SINKS}__mutmut_3": None,
+        f"{DDP}__mutmut_1": 1,
+    }
+    assert after["hash_by_function_name"] == {}  # the rest of mutmut's record is kept
+    assert not_checked(["leantrain.log.*"], tmp_path) == [f"{SINKS}__mutmut_{n}" for n in (1, 2, 3)]
+    assert not_checked(["leantrain.strategies.*"], tmp_path) == []
+    assert len(not_checked([], tmp_path)) == 3
+
+
+def test_a_mutant_runs_its_ordered_tests_until_their_recorded_time_passes_the_budget():
+    from types import SimpleNamespace
+
+    from tests.conftest import _beyond_the_budget
+
+    durations = {"a": 60.0, "b": 30.0, "c": 20.0, "d": 1.0, "slow": 500.0}
+    items = [SimpleNamespace(nodeid=name) for name in ("a", "b", "c", "d")]
+    assert _beyond_the_budget(items, durations, 100.0) == 2  # a and b: 90 s; c would make it 110
+    assert _beyond_the_budget([SimpleNamespace(nodeid="slow"), *items], durations, 100.0) == 4  # one runs
+    assert _beyond_the_budget(items, durations, 0.0) == 0  # no budget
