@@ -34,6 +34,12 @@ if "MUTANT_UNDER_TEST" in os.environ:
     os.environ["MUTMUT_PROCESS_HITS"] = str(PROCESS_HITS)
     _HOOKS = str(Path(__file__).resolve().with_name("mutation_hooks"))
     os.environ["PYTHONPATH"] = os.pathsep.join([_SOURCE_ROOT, _HOOKS, *_OTHER_PATHS])
+    # mutmut's trampolines wrap every function of the mutated copy: the doctor must not take one of
+    # their frames for the user's line that made a host sync (the next frame out is that line).
+    import leantrain.diagnose.syncs as _syncs
+
+    _is_library = _syncs._is_library
+    _syncs._is_library = lambda filename: f"{os.sep}mutmut{os.sep}" in filename or _is_library(filename)
 
 
 def python_path(*first: str | Path) -> str:

@@ -39,7 +39,9 @@ def test_peak_memory_on_cpu_rises_by_a_large_allocation():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     before, after = map(int, done.stdout.split())
-    assert after - before >= 250 * 2**20  # the 256 MiB, touched
+    # the 256 MiB, touched; less what the start-up's own passing peak already covered (under `make mutate`
+    # the mutated copy imports mutmut first: 247 MiB then)
+    assert after - before >= 200 * 2**20
 
 
 def test_peak_memory_of_a_child_is_its_own_not_its_parents():
