@@ -2,12 +2,15 @@ from __future__ import annotations
 
 import csv
 import math
+import time
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+from tensorboard.compat.proto import event_pb2
 
 from leantrain.log.sinks import CSVSink, TensorBoardSink, tensorboard_tag
-from leantrain.log.tfevents import crc32c
+from leantrain.log.tfevents import EventFileWriter, crc32c
 
 
 def test_csv_gains_late_columns_without_losing_rows(tmp_path):
@@ -88,3 +91,24 @@ def test_a_resumed_run_hides_what_the_interrupted_run_logged_after_its_checkpoin
 def test_crc32c_is_the_castagnoli_checksum():
     assert crc32c(b"123456789") == 0xE3069283  # the standard check value of CRC-32C
     assert crc32c(b"") == 0
+
+
+def test_every_event_is_what_tensorboards_own_protocol_buffers_read_field_by_field(tmp_path):
+    """Each record's checksums (TensorBoard's reader checks them) and fields, the version event, the restart
+    of a resumed run, steps past one varint byte, float32's largest value kept and past it infinity."""
+    before = time.time()
+    writer = EventFileWriter(tmp_path / "a" / "new" / "folder", restart_step=300)
+    writer.add_scalars(2**40, {"train/loss": 0.5, "train/max": 3.4028234663852886e38, "val/loss": 3e39})
+    writer.close()
+    raws = list(RawEventFileLoader(str(writer.path)).Load())
+    version, restart, values = events = [event_pb2.Event.FromString(raw) for raw in raws]
+    for event in events:  # no field TensorBoard does not know and would skip
+        whole = event.SerializeToString()
+        event.DiscardUnknownFields()
+        assert event.SerializeToString() == whole
+    assert (version.file_version, version.step) == ("brain.Event:2", 0)
+    assert (restart.session_log.status, restart.step) == (event_pb2.SessionLog.START, 300)
+    assert values.step == 2**40
+    assert [(value.tag, value.simple_value) for value in values.summary.value] == [
+        ("train/loss", 0.5), ("train/max", 3.4028234663852886e38), ("val/loss", math.inf)]  # fmt: skip
+    assert all(before <= event.wall_time <= time.time() for event in (version, restart, values))
