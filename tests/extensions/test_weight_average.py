@@ -147,6 +147,33 @@ def test_a_skipped_step_leaves_the_average_where_it_was():
     assert torch.equal(average.average[0], start[0] + 0.5)
 
 
+def test_a_saved_average_of_other_parameters_is_refused_by_name_and_a_changed_decay_is_told():
+    model = nn.Linear(2, 1)
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match=r"^1 parameter names for 2 parameters$"):
+        WeightAverage(0.5, ["weight"], params, Fp32(), print, print)
+    told: list[str] = []
+    average = WeightAverage(0.5, ["weight", "bias"], params, Fp32(), print, told.append)
+    weight, bias = torch.full((1, 2), 3.0), torch.full((1,), 4.0)
+    with pytest.raises(
+        ValueError, match=r"^the saved average does not match the model's parameters \(first: bias\)$"
+    ):
+        average.load_state_dict({"decay": 0.5, "weights": {"weight": weight}})
+    with pytest.raises(ValueError, match=r"\(first: extra\)$"):
+        average.load_state_dict({"decay": 0.5, "weights": {"weight": weight, "bias": bias, "extra": bias}})
+
+    average.load_state_dict({"decay": 0.5, "weights": {"weight": weight, "bias": bias}})
+    assert told == []
+    saved = average.state_dict()
+    assert saved["decay"] == 0.5 and list(saved["weights"]) == ["weight", "bias"]
+    assert torch.equal(saved["weights"]["weight"], weight) and saved["weights"]["weight"] is not weight
+    trained = model.weight.detach().clone()
+    with average.evaluated_weights():  # validates the trained weights unless told otherwise
+        assert torch.equal(model.weight, trained) and not torch.equal(model.weight, weight)
+    average.load_state_dict({"decay": 0.9, "weights": {"weight": weight, "bias": bias}})
+    assert told == ["the checkpoint's average was kept with ema_decay 0.9; it goes on with 0.5 from here"]
+
+
 def test_resuming_a_run_that_kept_no_average_says_it_starts_afresh(tmp_path):
     train(tmp_path / "run", ema_decay=None, max_steps=4)
     with pytest.warns(
