@@ -13,6 +13,12 @@ A changed helper (``conftest.py``, a module of shared tasks) changes every test 
 Then mutmut runs the mutants not checked yet, of every module or of the modules the patterns name.
 ``--full`` empties ``mutants/`` first: every mutant again, from a fresh record.
 
+mutmut's own first step, a clean run of every test the mutants reach, is left out: for a module that
+every fit reaches that is the whole suite, single-process (half an hour), before each incremental run.
+`make test` is that check; mutmut's record of which test reaches what is itself a run of every test
+that fails on a failing one, and a test that failed unmutated would be named by every mutant it
+"killed" in ``mutants/mutmut-killers.txt``.
+
     python tests/mutation_run.py                         # what changed since the last run
     python tests/mutation_run.py 'leantrain.log.*'       # the same, for the modules the patterns name
     python tests/mutation_run.py --full                  # everything
@@ -24,6 +30,7 @@ import argparse
 import fnmatch
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -35,15 +42,27 @@ TEST_HASHES = MUTANTS / "test-hashes.json"
 STATS = MUTANTS / "mutmut-stats.json"
 
 
-# What `mutmut run` does first (mutmut 3.8.x, pinned): the mutated copy of the source as it is now, with
-# the results of unchanged functions kept and those of changed ones set back to not checked.
-GENERATE = """
-import os
-from mutmut.__main__ import copy_also_copy_files, copy_src_dir, create_mutants, setup_source_paths
-from mutmut.mutation.trampoline import set_mutant_under_test
-set_mutant_under_test("mutant_generation")
-copy_src_dir(); copy_also_copy_files(); setup_source_paths(); create_mutants(os.cpu_count() or 2)
-"""
+def generate_mutants() -> None:
+    """What ``mutmut run`` does first (mutmut 3.8.x, pinned): the mutated copy of the source as it is
+    now, with the results of unchanged functions kept and those of changed ones set back to not checked."""
+    from mutmut.__main__ import copy_also_copy_files, copy_src_dir, create_mutants, setup_source_paths
+    from mutmut.mutation.trampoline import set_mutant_under_test
+
+    set_mutant_under_test("mutant_generation")
+    MUTANTS.mkdir(exist_ok=True)
+    copy_src_dir()
+    copy_also_copy_files()
+    setup_source_paths()
+    create_mutants(os.cpu_count() or 2)
+
+
+def run_mutmut(names: list[str]) -> None:
+    """``mutmut run NAMES`` (all when empty), less its clean run of the tests (see the module)."""
+    from mutmut.__main__ import _run
+    from mutmut.workers import isolation
+
+    isolation.ForkServerRunner.run_clean_tests = lambda self, tests: 0
+    _run(names, None)
 
 
 def hashes_of_test_files(tests: Path) -> dict[str, str]:
@@ -133,23 +152,20 @@ def main() -> int:
     parser.add_argument("patterns", nargs="*", help="mutant names or fnmatch patterns ('leantrain.log.*')")
     parser.add_argument("--full", action="store_true", help="empty mutants/ first: every mutant again")
     args = parser.parse_args()
-    mutmut = [str(Path(sys.executable).with_name("mutmut")), "run"]
+    os.chdir(ROOT)  # mutmut reads pyproject.toml and writes mutants/ here
     if args.full:
         shutil.rmtree(MUTANTS, ignore_errors=True)
     invalidate_changed_tests()
-    if args.patterns and STATS.is_file():
-        # mutmut runs every mutant a pattern names again, checked or not: name the unchecked ones, of
-        # the source as it is now.
-        subprocess.check_call([sys.executable, "-c", GENERATE], cwd=ROOT)
+    names = []
+    if args.patterns:
+        # mutmut runs every mutant a pattern names again, checked or not: name the unchecked ones.
+        generate_mutants()
         names = not_checked(args.patterns, MUTANTS)
         if not names:
             print("every mutant these patterns name is checked already")
-            return subprocess.call([sys.executable, str(ROOT / "tests" / "mutation_report.py")], cwd=ROOT)
-        mutmut += names
-    else:
-        mutmut += args.patterns
-    code = subprocess.call(mutmut, cwd=ROOT)
-    return code or subprocess.call([sys.executable, str(ROOT / "tests" / "mutation_report.py")], cwd=ROOT)
+    if names or not args.patterns:
+        run_mutmut(names)
+    return subprocess.call([sys.executable, str(ROOT / "tests" / "mutation_report.py")])
 
 
 if __name__ == "__main__":
