@@ -52,6 +52,8 @@ def test_tensorboard_tags_group_train_and_val():
     assert tensorboard_tag("val_loss") == "val/loss"
     assert tensorboard_tag("train_loss") == "train/loss"
     assert tensorboard_tag("samples_per_second") == "train/samples_per_second"
+    assert tensorboard_tag("val_top5_accuracy") == "val/top5_accuracy"  # split at the first underscore
+    assert tensorboard_tag("train_grad_norm") == "train/grad_norm"
 
 
 def read_scalars(log_dir, tag: str) -> list[tuple[int, float]]:
@@ -112,3 +114,17 @@ def test_every_event_is_what_tensorboards_own_protocol_buffers_read_field_by_fie
     assert [(value.tag, value.simple_value) for value in values.summary.value] == [
         ("train/loss", 0.5), ("train/max", 3.4028234663852886e38), ("val/loss", math.inf)]  # fmt: skip
     assert all(before <= event.wall_time <= time.time() for event in (version, restart, values))
+
+
+def test_a_fresh_run_hides_nothing_that_an_earlier_file_in_its_folder_holds(tmp_path):
+    """Only a resumed run writes the restart event that makes TensorBoard drop later steps of older files."""
+    older = TensorBoardSink(tmp_path)
+    older.write(1, {"train_loss": 1.0})
+    older.close()
+    fresh = TensorBoardSink(tmp_path)
+    assert fresh.path.parent == tmp_path and fresh.path.name.startswith("events.out.tfevents.")
+    fresh.write(2, {"train_loss": 2.0})
+    fresh.close()
+    events = [event_pb2.Event.FromString(raw) for raw in RawEventFileLoader(str(fresh.path)).Load()]
+    assert [event.HasField("session_log") for event in events] == [False, False]
+    assert read_scalars(tmp_path, "train/loss") == [(1, 1.0), (2, 2.0)]
