@@ -126,6 +126,29 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_and_best_weights_are_th
     assert all(torch.equal(saved["model"][name].cpu(), seen[12][name]) for name in seen[12])
 
 
+STALLED = "val_loss has not improved by more than 0 in 2 validation(s)"
+
+
+@pytest.mark.parametrize(
+    ("values", "reason"),
+    [
+        ([1.0, 2.0, 0.5, 0.6, 0.7], f"early stop at step 50: {STALLED} (best 0.5 at step 30)"),
+        ([math.nan, math.nan], f"early stop at step 20: {STALLED} (no value was a number)"),
+    ],
+)
+def test_the_stop_names_the_best_value_and_its_step_or_that_none_was_a_number(values, reason):
+    """A run whose first validations are NaN (it diverged at once) stops with a reason, not a TypeError."""
+    from leantrain.extensions.early_stopping import EarlyStopping
+    from leantrain.extensions.metric_watch import MetricWatch
+
+    stopping = EarlyStopping(MetricWatch("val_loss", "min", "early_stop_metric"), patience=2)
+    for step, value in enumerate(values, start=1):
+        assert stopping.stop_reason is None
+        stopping.on_log(10 * step, {"train_loss": 1.0})  # a training log point counts for nothing
+        stopping.on_log(10 * step, {"val_loss": value})
+    assert stopping.stop_reason == reason
+
+
 def test_a_nan_is_never_among_the_best(tmp_path):
     out = tmp_path / "run"
     train(out, [float("nan"), 0.5, float("nan")], max_steps=6, keep_best=1, best_metric="val_loss",

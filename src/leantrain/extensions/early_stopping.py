@@ -29,10 +29,14 @@ class EarlyStopping:
             return
         self.stalled += 1
         if self.stalled >= self.patience:
+            best = (
+                "no value was a number"
+                if self.best is None
+                else f"best {self.best:.6g} at step {self.best_step}"
+            )
             self.stop_reason = (
                 f"early stop at step {step}: {self.watch.metric} has not improved by more than "
-                f"{self.watch.min_delta:g} in {self.patience} validation(s) (best {self.best:.6g} at step "
-                f"{self.best_step})"
+                f"{self.watch.min_delta:g} in {self.patience} validation(s) ({best})"
             )
 
     def state_dict(self) -> dict[str, Any]:
