@@ -203,3 +203,25 @@ def test_a_metric_the_task_lacks_or_no_validation_data_is_a_one_line_error(tmp_p
     config = quiet_config(tmp_path / "b", **EVERY_2, keep_best=1, best_metric="val_loss")
     with pytest.raises(lt.ConfigError, match="needs validation data: the task has no val_data"):
         lt.Trainer(config).fit(task)
+
+
+def test_a_value_worse_than_the_k_best_asks_for_no_checkpoint_and_the_ranking_resumes():
+    from types import SimpleNamespace
+
+    from leantrain.extensions.best_checkpoints import BestCheckpoints
+    from leantrain.extensions.metric_watch import MetricWatch
+
+    folder, written = SimpleNamespace(protected=set()), []
+    best = BestCheckpoints(
+        MetricWatch("val_loss", "min", "best_metric"), 2, folder, lambda: written.append(1)
+    )
+    for step, value in [(10, 1.0), (20, 2.0), (30, 3.0)]:
+        best.on_log(step, {"val_loss": value})
+    assert (best.checkpoint_at, folder.protected, len(written)) == (20, {10, 20}, 1)  # 3.0 ranks third of 2
+    best.on_log(40, {"val_loss": 0.5})
+    assert (best.checkpoint_at, folder.protected, len(written)) == (40, {10, 40}, 2)
+
+    resumed_folder = SimpleNamespace(protected=set())
+    resumed = BestCheckpoints(MetricWatch("val_loss", "min", "best_metric"), 2, resumed_folder, lambda: None)
+    resumed.load_state_dict(best.state_dict())
+    assert (resumed.ranked, resumed_folder.protected) == ([(0.5, 40), (1.0, 10)], {10, 40})
