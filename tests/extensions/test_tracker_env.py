@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -213,3 +214,33 @@ def test_a_row_in_flight_when_the_process_dies_is_never_sent_twice(tmp_path):
     resumed.on_end({"steps": 8})
     assert before.received == [1, 2, 3, 4, 5, 6] and after.received == [7, 8]
     assert resumed.not_resent == 2
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "project", "chosen_by"),
+    [("mine", "team", "mine", "--wandb-project"), (None, "team", "team", "WANDB_PROJECT"),
+     (None, None, "leantrain", "default")],
+)  # fmt: skip
+def test_wandb_says_which_project_and_what_chose_it_and_online_it_logs_in_without_a_prompt(
+    tmp_path, monkeypatch, flag, env, project, chosen_by
+):
+    """A run with no stdin (CI, a batch job) must never wait on W&B's key prompt."""
+    pytest.importorskip("wandb")
+    from leantrain.extensions.wandb_tracker import WandbTracker
+
+    for name in ("WANDB_PROJECT", "WANDB_DIR", "WANDB_ENTITY", "WANDB_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    if env:
+        monkeypatch.setenv("WANDB_PROJECT", env)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    tracker = WandbTracker(flag, tmp_path, timeout=5)
+    assert tracker.project == project and f"project {project} ({chosen_by})" in tracker.describe
+    logins: list[dict] = []
+    tracker.wandb = SimpleNamespace(login=lambda **how: logins.append(how))
+    tracker.connect()
+    assert logins == []  # offline: nothing to reach
+    monkeypatch.setenv("WANDB_MODE", "online")
+    online = WandbTracker(flag, tmp_path, timeout=5)
+    online.wandb = tracker.wandb
+    online.connect()
+    assert logins == [{"verify": True, "prompt": False}]
