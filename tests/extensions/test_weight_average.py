@@ -135,6 +135,33 @@ def test_the_average_of_16_bit_weights_is_kept_in_fp32_and_swapped_back_exactly(
     assert summary["ema_bytes"] == sum(p.numel() * 4 for p in scored.model.parameters())
 
 
+def test_a_16_bit_parameter_trained_directly_has_an_fp32_average_and_is_put_back_bit_for_bit():
+    """A bf16 model under 32-bit precision: swapping the average in rounds it to bf16 for the model,
+    and afterwards both the weights and the fp32 average are what they were."""
+    model = nn.Linear(3, 2).to(torch.bfloat16)
+    average = WeightAverage(0.5, ["weight", "bias"], list(model.parameters()), Fp32(), print, print)
+    assert [a.dtype for a in average.average] == [torch.float32, torch.float32]
+    with torch.no_grad():
+        model.weight.add_(0.01)  # one step: the average now lies between two bf16 values
+    average.on_step(StepStats(1, StepStatus.STEPPED, None))
+    trained = [p.detach().clone() for p in model.parameters()]
+    averaged = [a.clone() for a in average.average]
+    assert not torch.equal(averaged[0], averaged[0].to(torch.bfloat16).float())  # not a bf16 value
+    with average.swapped_in():
+        assert torch.equal(model.weight, averaged[0].to(torch.bfloat16))
+    assert all(torch.equal(p, t) for p, t in zip(model.parameters(), trained, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(average.average, averaged, strict=True))
+
+
+def test_a_bf16_model_under_32_bit_precision_keeps_an_average(tmp_path):
+    """Bug: a pretrained model loaded in bf16, trained as it is, with --ema-decay: the first step's
+    fused lerp refused the fp32 average and the bf16 weights (a raw RuntimeError)."""
+    result = train(tmp_path, RegressionTask(dtype=torch.bfloat16))
+    averaged = load_file(tmp_path / "ema.safetensors")
+    assert {t.dtype for t in averaged.values()} == {torch.bfloat16}  # as the model holds it
+    assert not torch.equal(averaged["0.weight"], result.model.state_dict()["0.weight"].cpu())
+
+
 def test_a_skipped_step_leaves_the_average_where_it_was():
     model = nn.Linear(3, 2).double()
     average = WeightAverage(0.5, ["weight", "bias"], list(model.parameters()), Fp32(), print, print)

@@ -58,9 +58,16 @@ class WeightAverage:
             self.average = [p.detach().to(averaged_dtype(p.dtype), copy=True) for p in self.params]
 
     def on_step(self, stats: Any) -> None:  # a run.hooks.StepStats (a layer above this one)
-        if stats.stepped:
-            with torch.no_grad():  # one fused kernel over every parameter
-                torch._foreach_lerp_(local_values(self.average), local_values(self.params), self.weight)
+        if not stats.stepped:
+            return
+        pairs = list(zip(local_values(self.average), local_values(self.params), strict=True))
+        alike = [(average, param) for average, param in pairs if average.dtype == param.dtype]
+        with torch.no_grad():
+            if alike:  # one fused kernel over every parameter of the average's dtype
+                torch._foreach_lerp_(*map(list, zip(*alike, strict=True)), self.weight)
+            for average, param in pairs:  # a 16-bit parameter trained as it is: lerp takes one dtype
+                if average.dtype != param.dtype:
+                    average.lerp_(param.to(average.dtype), self.weight)
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
