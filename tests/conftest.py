@@ -369,6 +369,9 @@ def _mutant_test_order(mutant: str) -> Any:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     mutant = os.environ.get("MUTANT_UNDER_TEST", "")
+    if mutant == "stats" and report.when == "call" and "PYTEST_XDIST_WORKER" in os.environ:
+        with (PROCESS_HITS / "durations").open("a") as durations:  # for tests/mutation_run.py
+            durations.write(f"{report.nodeid}\t{report.duration}\n")
     if report.failed and "__mutmut_" in mutant:
         with KILLERS.open("a") as killers:  # one short line per write: appends do not interleave
             killers.write(f"{_mutated_function(mutant)}\t{report.nodeid}\n")
@@ -376,12 +379,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before mutmut's own teardown hook reads the test's record
 def pytest_runtest_teardown(item: pytest.Item) -> None:
-    if os.environ.get("MUTANT_UNDER_TEST") != "stats":
-        return
+    if os.environ.get("MUTANT_UNDER_TEST") != "stats" or "PYTEST_XDIST_WORKER" in os.environ:
+        return  # on xdist's workers tests/mutation_run.py reads the files (see record_stats_in_parallel)
     from mutmut.state import state  # pinned to 3.8.x: the hits it records for the running test
 
     for hits in PROCESS_HITS.glob("*.hits"):
-        state()._stats.update(hits.read_text().split())
+        state()._stats.update(line.split("\t")[1] for line in hits.read_text().splitlines())
         hits.unlink()
 
 

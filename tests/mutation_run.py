@@ -34,6 +34,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +55,54 @@ def generate_mutants() -> None:
     copy_also_copy_files()
     setup_source_paths()
     create_mutants(os.cpu_count() or 2)
+
+
+def record_stats_in_parallel(workers: int) -> None:
+    """mutmut's record of which tests reach which function, made by every test once on ``workers``
+    pytest-xdist processes (mutmut's own is one process: half an hour for this suite, twice this).
+
+    The workers and the processes they start record through tests/mutation_hooks/sitecustomize.py,
+    each hit with the test that made it; their files are read here into mutmut's state and saved as
+    its own stats run would save them. A test that fails ends it: mutants checked against a failing
+    test would all count as killed."""
+    from mutmut.__main__ import _refresh_change_detection_baseline
+    from mutmut.configuration import config
+    from mutmut.state import state
+    from mutmut.stats import save_stats
+
+    hits = MUTANTS / "process-hits"
+    shutil.rmtree(hits, ignore_errors=True)
+    hits.mkdir()
+    source = str(MUTANTS / config().source_paths[0])
+    env = {**os.environ, "MUTANT_UNDER_TEST": "stats", "MUTMUT_PROCESS_HITS": str(hits), "PYTHONPATH": source}
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-n",
+        str(workers),
+        "--dist",
+        "worksteal",
+        "-q",
+        "-p",
+        "no:randomly",
+    ]
+    command += [*config().pytest_add_cli_args_test_selection, *config().pytest_add_cli_args]
+    started = time.monotonic()
+    if subprocess.call(command, cwd=MUTANTS, env=env):
+        raise SystemExit("a test failed while mutmut recorded which tests reach what (above): fix it first")
+    for path in hits.glob("*.hits"):
+        for line in path.read_text().splitlines():
+            test, _, function = line.partition("\t")
+            if test:  # not at import, before any test
+                state().tests_by_mangled_function_name[function].add(test)
+    for line in (hits / "durations").read_text().splitlines():
+        test, _, seconds = line.partition("\t")
+        state().duration_by_test[test] = float(seconds)
+    state().stats_time = time.monotonic() - started
+    _refresh_change_detection_baseline()
+    save_stats()
+    shutil.rmtree(hits)
 
 
 def run_mutmut(names: list[str]) -> None:
@@ -151,15 +200,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("patterns", nargs="*", help="mutant names or fnmatch patterns ('leantrain.log.*')")
     parser.add_argument("--full", action="store_true", help="empty mutants/ first: every mutant again")
+    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist processes of the first record")
     args = parser.parse_args()
     os.chdir(ROOT)  # mutmut reads pyproject.toml and writes mutants/ here
     if args.full:
         shutil.rmtree(MUTANTS, ignore_errors=True)
     invalidate_changed_tests()
     names = []
+    if args.patterns or not STATS.is_file():
+        generate_mutants()
+    if not STATS.is_file():
+        record_stats_in_parallel(args.workers)
     if args.patterns:
         # mutmut runs every mutant a pattern names again, checked or not: name the unchecked ones.
-        generate_mutants()
         names = not_checked(args.patterns, MUTANTS)
         if not names:
             print("every mutant these patterns name is checked already")

@@ -6,8 +6,10 @@ of their own, so what only they execute (the reductions of a world > 1, what ran
 recorded, and every mutant there counted as untested. ``tests/conftest.py`` puts this folder first on
 the path of the processes tests start, only while mutmut records (``MUTANT_UNDER_TEST=stats``); Python
 imports this module at start-up, and every hit in the process is appended, once per function, to a file
-of its own in ``MUTMUT_PROCESS_HITS``. The test process adds those files to the test's hits when the
-test ends. Nothing here runs outside ``make mutate``.
+of its own in ``MUTMUT_PROCESS_HITS``, with the test that runs. The test process adds those files to the
+test's hits when the test ends. ``tests/mutation_run.py`` records on pytest-xdist's workers the same way
+(they are processes the test run starts), and reads the files itself. Nothing here runs outside
+``make mutate``.
 """
 
 import os
@@ -16,14 +18,16 @@ import os
 def _record_hits_in_a_file(folder: str) -> None:
     from mutmut.mutation import trampoline
 
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()
     path = os.path.join(folder, f"{os.getpid()}.hits")
 
     def record(name: str, caller: str | None = None) -> None:
-        if name not in seen:  # a line per function, not per call: the step loop calls some every step
-            seen.add(name)
+        # The test that runs: pytest names it in the environment, and processes it starts inherit it.
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+        if (test, name) not in seen:  # a line per function, not per call: the step loop calls some every step
+            seen.add((test, name))
             with open(path, "a") as hits:  # written as it happens: a killed process keeps what it ran
-                hits.write(name + "\n")
+                hits.write(f"{test}\t{name}\n")
 
     trampoline.record_trampoline_hit = record
 
