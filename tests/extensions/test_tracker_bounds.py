@@ -226,6 +226,8 @@ def test_a_required_tracker_that_does_not_answer_stops_the_run_before_training(t
         "nothing was trained"
     )
     assert steps == []
+    # the call that never answered is left in a daemon thread that says what it waits on (thread dumps)
+    assert "leantrain-mlflow-connect" in {thread.name for thread in threading.enumerate()}
 
 
 @pytest.mark.timeout(60)

@@ -128,6 +128,20 @@ def test_dp_warns_why_ddp_is_faster():
     assert strategy.caveat is not None and "DistributedDataParallel" in strategy.caveat.title
 
 
+@pytest.mark.parametrize(("gpus", "wrapped"), [(0, False), (1, False), (2, True)])
+def test_dp_wraps_the_model_in_dataparallel_only_over_more_than_one_gpu(monkeypatch, gpus, wrapped):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    strategy = strategy_class("dp")(lt.TrainConfig(), CPU, ParallelDims())
+    model = nn.Linear(2, 2)
+    with pytest.warns(UserWarning):
+        strategy.wrap(model, None)
+    assert strategy.model is model
+    if wrapped:  # (without CUDA, DataParallel holds the model and calls it as it is)
+        assert isinstance(strategy.module, nn.DataParallel) and strategy.module.module is model
+    else:
+        assert strategy.module is model
+
+
 def test_dp_trains_like_single_on_one_device(fit):
     with pytest.warns(UserWarning):
         dp = fit(RegressionTask(), global_batch_size=16, max_steps=3, strategy="dp")

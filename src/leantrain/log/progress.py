@@ -43,7 +43,7 @@ class RichProgress:
 
     def __init__(self, total_steps: int, console: Console | None = None) -> None:
         self._progress = Progress(
-            TextColumn("[bold]train"),
+            TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"),
