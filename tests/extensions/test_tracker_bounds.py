@@ -260,3 +260,24 @@ def test_a_required_tracker_refused_at_the_start_is_one_line_and_exit_2(tmp_path
 def test_bad_tracker_bounds_are_one_line_errors_naming_the_field(fields, message):
     with pytest.raises(lt.ConfigError, match=f"^{re.escape(message)}"):
         lt.TrainConfig(**{"logger": "mlflow", **fields})
+
+
+@pytest.mark.parametrize(
+    ("unsent", "ended", "summary", "told"),
+    [
+        (0, False, None, "the end of its run was not delivered"),
+        (0, False, {"loss": 1.0}, "the summary was not delivered"),
+        (1, True, None, "1 row was not delivered"),
+        (1, False, None, "1 row and the end of its run were not delivered"),
+        (2, True, None, "2 rows were not delivered"),
+        (2, False, {"loss": 1.0}, "2 rows and the summary were not delivered"),
+    ],
+)
+def test_what_did_not_reach_a_tracker_is_told_in_words_that_agree(unsent, ended, summary, told):
+    from leantrain.extensions.trackers import TrackerCallback
+
+    class Tracker:
+        name, where = "mlflow", "fake://tracking"
+
+    callback = TrackerCallback(Tracker(), {}, print, timeout=2)
+    assert callback._undelivered(unsent, ended, summary) == told

@@ -244,3 +244,38 @@ def test_wandb_says_which_project_and_what_chose_it_and_online_it_logs_in_withou
     online.wandb = tracker.wandb
     online.connect()
     assert logins == [{"verify": True, "prompt": False}]
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_wandb_opens_its_run_with_every_setting_it_read_from_the_environment(tmp_path, monkeypatch, resumed):
+    """W&B reads its environment once per process: every setting is passed to init, so that a second run
+    in one process (a notebook, a test session) gets its own. A continued run's parameters are not sent
+    again; W&B prints nothing of its own and waits on its server no longer than the tracker's bound."""
+    pytest.importorskip("wandb")
+    from leantrain.extensions.wandb_tracker import WandbTracker
+
+    for name in ("WANDB_PROJECT", "WANDB_DIR", "WANDB_RUN_ID", "WANDB_INIT_TIMEOUT", "WANDB_FINISH_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_ENTITY", "team")
+    monkeypatch.setenv("WANDB_NAME", "named-by-the-team")
+    tracker = WandbTracker("proj", tmp_path / "run", timeout=7)
+    opened: list[dict] = []
+    tracker.wandb = SimpleNamespace(init=lambda **how: opened.append(how), Settings=lambda **how: how)
+    assert tracker.start({"lr": 0.1}, "key0001", resumed=resumed) is None  # offline: nothing to continue
+    assert opened == [
+        {
+            "project": "proj",
+            "entity": "team",
+            "dir": str(tmp_path / "run"),
+            "name": "named-by-the-team",
+            "mode": "offline",
+            "id": "key0001",
+            "resume": "allow",
+            "config": None if resumed else {"lr": 0.1},
+            "settings": {"silent": True, "console": "off", "init_timeout": 7, "finish_timeout": 7},
+        }
+    ]
+    monkeypatch.delenv("WANDB_NAME")
+    tracker.start({}, "key0001", resumed)
+    assert opened[-1]["name"] == "run"  # the run folder's name
