@@ -279,3 +279,25 @@ def test_wandb_opens_its_run_with_every_setting_it_read_from_the_environment(tmp
     monkeypatch.delenv("WANDB_NAME")
     tracker.start({}, "key0001", resumed)
     assert opened[-1]["name"] == "run"  # the run folder's name
+
+
+def test_an_online_wandb_run_continued_says_its_last_step_and_each_ending_has_its_exit_code(
+    tmp_path, monkeypatch
+):
+    pytest.importorskip("wandb")
+    from leantrain.extensions.wandb_tracker import WandbTracker
+
+    monkeypatch.setenv("WANDB_MODE", "online")
+    tracker = WandbTracker("proj", tmp_path, timeout=7)
+    ended: list[tuple] = []
+    run = SimpleNamespace(
+        step=0, summary={}, finish=lambda exit_code: ended.append((exit_code, dict(run.summary)))
+    )
+    tracker.wandb = SimpleNamespace(init=lambda **how: run, Settings=lambda **how: how)
+    # a continued run's W&B step is one past the last it holds; a new run, or one holding none, says nothing
+    for step, resumed, last in [(5, True, 4), (1, True, 0), (0, True, None), (5, False, None)]:
+        run.step = step
+        assert tracker.start({}, "key0001", resumed=resumed) == last
+    tracker.finish(None)  # failed or interrupted
+    tracker.finish({"loss": 0.5})
+    assert ended == [(1, {}), (0, {"summary/loss": 0.5})]
