@@ -9,7 +9,8 @@ the hashes it saved last time, and for each file that changed (or is new, or gon
 - its tests are dropped from mutmut's record of which tests reach which function, so that mutmut records
   them again (a changed test may reach other functions now).
 
-A changed helper (``conftest.py``, a module of shared tasks) changes every test in its folder and below.
+A changed helper (``conftest.py``, a module of shared tasks) changes every test in its folder and below;
+the mutation check's own files (``mutation_*.py``, ``mutation_hooks/``) change none.
 Then mutmut runs the mutants not checked yet, of every module or of the modules the patterns name.
 ``--full`` empties ``mutants/`` first: every mutant again, from a fresh record.
 
@@ -127,10 +128,17 @@ def changed_test_files(old: dict[str, str], new: dict[str, str]) -> set[str]:
     """The test files whose tests may check something else now: those changed, added or removed, and
     for a changed helper (any file not named ``test_*.py``) every test file in its folder and below."""
     changed = {path for path in old.keys() | new.keys() if old.get(path) != new.get(path)}
+    changed -= {path for path in changed if _of_the_mutation_check(path)}
     for helper in [path for path in changed if not Path(path).name.startswith("test_")]:
         folder = str(Path(helper).parent) + "/"
         changed |= {path for path in new if path.startswith(folder)}
     return changed
+
+
+def _of_the_mutation_check(path: str) -> bool:
+    """This script, the report, the pytest plugin and the recorder: they change how mutants are checked,
+    not what any test checks."""
+    return Path(path).name.startswith("mutation_") or "mutation_hooks" in Path(path).parts
 
 
 def forget_tests(stats: dict, files: set[str]) -> set[str]:

@@ -42,6 +42,9 @@ def test_a_changed_helper_changes_every_test_file_below_its_folder(tmp_path):
     }
 
     (tests / "log" / "conftest.py").write_text("x = 1\n")
+    for tool in ("mutation_plugin.py", "mutation_hooks/sitecustomize.py"):  # how mutants are checked
+        (tests / tool).parent.mkdir(exist_ok=True)
+        (tests / tool).write_text("x = 2\n")
     (tests / "log" / "test_metrics.py").unlink()
     (tests / "test_new.py").write_text("x = 1\n")
     assert changed_test_files(old, hashes_of_test_files(tests)) == {
@@ -91,13 +94,16 @@ def test_the_mutants_of_the_named_functions_are_not_checked_again_and_the_others
     assert len(not_checked([], tmp_path)) == 3
 
 
-def test_a_mutant_runs_its_ordered_tests_until_their_recorded_time_passes_the_budget():
+def test_a_mutant_runs_its_ordered_tests_until_their_recorded_time_passes_the_budget_but_its_first_ten():
     from types import SimpleNamespace
 
-    from tests.conftest import _beyond_the_budget
+    from tests.mutation_plugin import _beyond_the_budget
 
-    durations = {"a": 60.0, "b": 30.0, "c": 20.0, "d": 1.0, "slow": 500.0}
-    items = [SimpleNamespace(nodeid=name) for name in ("a", "b", "c", "d")]
-    assert _beyond_the_budget(items, durations, 100.0) == 2  # a and b: 90 s; c would make it 110
-    assert _beyond_the_budget([SimpleNamespace(nodeid="slow"), *items], durations, 100.0) == 4  # one runs
+    durations = {f"fast{n}": 1.0 for n in range(12)} | {"a": 60.0, "b": 30.0, "c": 20.0, "slow": 500.0}
+    fast = [SimpleNamespace(nodeid=f"fast{n}") for n in range(12)]
+    items = fast + [SimpleNamespace(nodeid=name) for name in ("a", "b", "c")]
+    assert _beyond_the_budget(items, durations, 100.0) == 2  # the 12 fast ones and a: 72 s; b would pass 100
     assert _beyond_the_budget(items, durations, 0.0) == 0  # no budget
+    launches = [SimpleNamespace(nodeid=name) for name in ("slow", "a", "b", "c")]
+    assert _beyond_the_budget(launches, durations, 100.0) == 0  # fewer than ten: all of them
+    assert _beyond_the_budget(launches + fast, durations, 100.0) == 6  # past 100 s from the 11th on

@@ -1,0 +1,112 @@
+"""`make mutate`'s hooks into the test run (tests/MUTATION.md); loaded by tests/conftest.py, and inert
+unless mutmut runs the tests (``MUTANT_UNDER_TEST`` is set).
+
+Kept apart from conftest.py: `make mutate` runs again every mutant reached by tests whose helpers
+changed (tests/mutation_run.py), and this file changes how mutants are checked, not what a test checks.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Under `make mutate`, mutmut first records which functions each test reaches. It sees only the test
+# process; tests/mutation_hooks/sitecustomize.py records what the processes a test starts run, in
+# files that `pytest_runtest_teardown` below adds to the test's record (tests/MUTATION.md).
+PROCESS_HITS = Path(__file__).resolve().parent.parent / "process-hits"  # in mutmut's mutants/ copy
+if "MUTANT_UNDER_TEST" in os.environ:
+    PROCESS_HITS.mkdir(exist_ok=True)
+    os.environ["MUTMUT_PROCESS_HITS"] = str(PROCESS_HITS)
+    _HOOKS = str(Path(__file__).resolve().with_name("mutation_hooks"))
+    os.environ["PYTHONPATH"] = os.pathsep.join([*os.environ["PYTHONPATH"].split(os.pathsep), _HOOKS])
+    # mutmut's trampolines wrap every function of the mutated copy: the doctor must not take one of
+    # their frames for the user's line that made a host sync (the next frame out is that line).
+    import leantrain.diagnose.syncs as _syncs
+
+    _is_library = _syncs._is_library
+    _syncs._is_library = lambda filename: f"{os.sep}mutmut{os.sep}" in filename or _is_library(filename)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mutant = os.environ.get("MUTANT_UNDER_TEST", "")
+    if "__mutmut_" in mutant:
+        items.sort(key=_mutant_test_order(mutant))
+        from mutmut.state import state  # pinned to 3.8.x: its measured test durations
+
+        beyond = _beyond_the_budget(items, state().duration_by_test, MUTANT_TEST_SECONDS)
+        if beyond:
+            config.hook.pytest_deselected(items=items[-beyond:])
+            del items[-beyond:]
+        return
+
+
+# `make mutate` runs a mutant's tests until the first fails (-x). mutmut's fork-server runner hands
+# them over in no order, and most tests that reach a function never exercise most of its lines
+# (every fit calls `Persistence.resume`; few resume). So the tests that killed the function's earlier
+# mutants go first, most kills first, then the rest fastest first: a killed mutant runs one or two
+# tests, not the ~60 that reached its function before the one that kills it.
+KILLERS = Path(__file__).resolve().parent.parent / "mutmut-killers.txt"  # in mutmut's mutants/ copy
+
+
+# A function every fit reaches is reached by ~900 tests (18 minutes): a mutant of it that survives would
+# run them all. A mutant runs its tests in the order above until their recorded time passes this budget,
+# but always its first 10: a function only launches reach (a few tests of 15-60 s each) is checked by all
+# of them. One that survives them is a survivor (at worst a bug a slower test would have caught: a fast
+# test for it is worth writing). MUTANT_TEST_SECONDS=0: no budget.
+MUTANT_TEST_SECONDS = float(os.environ.get("MUTANT_TEST_SECONDS", "120"))
+MUTANT_FIRST_TESTS = 10
+
+
+def _beyond_the_budget(ordered: list[pytest.Item], durations: dict[str, float], budget: float) -> int:
+    """How many of the last tests of ``ordered`` fall past ``budget`` seconds of their recorded
+    ``durations``; the first ``MUTANT_FIRST_TESTS`` always run, and a budget of 0 runs them all."""
+    if budget <= 0:
+        return 0
+    spent = 0.0
+    for index, item in enumerate(ordered):
+        spent += durations.get(item.nodeid, 0.0)
+        if spent > budget and index >= MUTANT_FIRST_TESTS:
+            return len(ordered) - index
+    return 0
+
+
+def _mutated_function(mutant: str) -> str:
+    return mutant.rsplit("__mutmut_", 1)[0]
+
+
+def _mutant_test_order(mutant: str) -> Any:
+    from mutmut.state import state  # pinned to 3.8.x: its measured test durations
+
+    durations = state().duration_by_test
+    function = _mutated_function(mutant)
+    kills: dict[str, int] = {}
+    if KILLERS.is_file():
+        for line in KILLERS.read_text().splitlines():
+            killed_function, _, test = line.partition("\t")
+            if killed_function == function:
+                kills[test] = kills.get(test, 0) + 1
+    return lambda item: (-kills.get(item.nodeid, 0), durations.get(item.nodeid, 0.0))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    mutant = os.environ.get("MUTANT_UNDER_TEST", "")
+    if mutant == "stats" and report.when == "call" and "PYTEST_XDIST_WORKER" in os.environ:
+        with (PROCESS_HITS / "durations").open("a") as durations:  # for tests/mutation_run.py
+            durations.write(f"{report.nodeid}\t{report.duration}\n")
+    if report.failed and "__mutmut_" in mutant:
+        with KILLERS.open("a") as killers:  # one short line per write: appends do not interleave
+            killers.write(f"{_mutated_function(mutant)}\t{report.nodeid}\n")
+
+
+@pytest.hookimpl(tryfirst=True)  # before mutmut's own teardown hook reads the test's record
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if os.environ.get("MUTANT_UNDER_TEST") != "stats" or "PYTEST_XDIST_WORKER" in os.environ:
+        return  # on xdist's workers tests/mutation_run.py reads the files (see record_stats_in_parallel)
+    from mutmut.state import state  # pinned to 3.8.x: the hits it records for the running test
+
+    for hits in PROCESS_HITS.glob("*.hits"):
+        state()._stats.update(line.split("\t")[1] for line in hits.read_text().splitlines())
+        hits.unlink()
