@@ -1,0 +1,43 @@
+"""``--strategy ddp`` in this process (a process group of one): what launches reach only slowly."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+import leantrain as lt
+from leantrain.strategies.ddp import _buckets
+from leantrain.strategies.dims import ParallelDims
+from leantrain.strategies.registry import strategy_class
+from tests.test_batch_norm import one_process_group
+
+CPU = torch.device("cpu")
+
+
+def test_a_comm_hook_is_registered_again_on_the_fresh_wrapper_after_an_out_of_memory_error():
+    """The doctor times DDP's all-reduce through a comm hook; the wrapper made after an out-of-memory
+    error must carry it too, or the measurement stops there."""
+    with one_process_group("gloo"):
+        strategy = strategy_class("ddp")(lt.TrainConfig(strategy="ddp"), CPU, ParallelDims(dp=1))
+        strategy.wrap(nn.Linear(2, 2), None)
+        calls: list[int] = []
+
+        def counted(state, bucket):
+            calls.append(1)
+            return allreduce_hook(state, bucket)
+
+        strategy.register_comm_hook(counted)
+        first = strategy.module
+        strategy.reset_after_out_of_memory()
+        assert strategy.module is not first and strategy.module.module is strategy.model
+        strategy.module(torch.ones(1, 2)).sum().backward()
+        assert calls == [1]
+
+
+def test_a_plan_holds_one_bucket_per_dtype_of_the_trainable_parameters():
+    model = nn.Module()
+    model.full = nn.Linear(3, 2)  # 8 fp32 values
+    model.bf16 = nn.Parameter(torch.ones(5, dtype=torch.bfloat16))  # one bf16 parameter alone
+    model.frozen = nn.Parameter(torch.ones(7), requires_grad=False)  # no gradient: no bucket
+    assert sorted((b.numel(), b.dtype) for b in _buckets(model)) == [(5, torch.bfloat16), (8, torch.float32)]
