@@ -1,4 +1,4 @@
-"""``--strategy ddp`` in this process (a process group of one): what launches reach only slowly."""
+"""``--strategy ddp`` and its reductions in one process: what launches reach slowly."""
 
 from __future__ import annotations
 
@@ -41,3 +41,25 @@ def test_a_plan_holds_one_bucket_per_dtype_of_the_trainable_parameters():
     model.bf16 = nn.Parameter(torch.ones(5, dtype=torch.bfloat16))  # one bf16 parameter alone
     model.frozen = nn.Parameter(torch.ones(7), requires_grad=False)  # no gradient: no bucket
     assert sorted((b.numel(), b.dtype) for b in _buckets(model)) == [(5, torch.bfloat16), (8, torch.float32)]
+
+
+def test_gradients_are_all_reduced_in_one_flat_buffer_per_dtype_each_in_its_own_width(monkeypatch):
+    """ddp x tp's reduction over the replicas: bf16 gradients travel as bf16 (half the bytes of fp32),
+    and each dtype's values come back divided, into the tensors themselves."""
+    import torch.distributed as dist
+
+    from leantrain.strategies.process_group import all_reduce_in_place
+
+    sent: list[tuple[torch.dtype, int]] = []
+    all_reduce = dist.all_reduce
+    monkeypatch.setattr(
+        dist,
+        "all_reduce",
+        lambda flat, **how: (sent.append((flat.dtype, flat.numel())), all_reduce(flat, **how)),
+    )
+    grads = [torch.full((3,), 2.0), torch.full((2,), 4.0, dtype=torch.bfloat16), torch.full((4,), 6.0)]
+    with one_process_group("gloo"):
+        all_reduce_in_place(grads, None, divide_by=2)
+    assert sorted(sent, key=str) == [(torch.bfloat16, 2), (torch.float32, 7)]
+    assert [g.tolist() for g in grads] == [[1.0] * 3, [2.0] * 2, [3.0] * 4]
+    assert grads[1].dtype == torch.bfloat16
