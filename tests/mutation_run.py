@@ -9,6 +9,9 @@ the hashes it saved last time, and for each file that changed (or is new, or gon
 - its tests are dropped from mutmut's record of which tests reach which function, so that mutmut records
   them again (a changed test may reach other functions now).
 
+And every survivor not listed in tests/mutation_equivalent.txt is checked again: a new test (a new file
+too) may kill it now, and mutmut checks a mutant once.
+
 A changed helper (``conftest.py``, a module of shared tasks) changes every test in its folder and below;
 the mutation check's own files (``mutation_*.py``, ``mutation_hooks/``) change none.
 Then mutmut runs the mutants not checked yet, of every module or of the modules the patterns name.
@@ -20,9 +23,9 @@ every fit reaches that is the whole suite, single-process (half an hour), before
 that fails on a failing one, and a test that failed unmutated would be named by every mutant it
 "killed" in ``mutants/mutmut-killers.txt``.
 
-    python tests/mutation_run.py                         # what changed since the last run
-    python tests/mutation_run.py 'leantrain.log.*'       # the same, for the modules the patterns name
-    python tests/mutation_run.py --full                  # everything
+    python -m tests.mutation_run                         # what changed since the last run
+    python -m tests.mutation_run 'leantrain.log.*'       # the same, for the modules the patterns name
+    python -m tests.mutation_run --full                  # everything
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.mutation_report import EQUIVALENT_TXT, equivalent_mutants
 
 ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = ROOT / "mutants"
@@ -162,15 +167,22 @@ def function_of(mutant: str) -> str:
     return mutant.rsplit("__mutmut_", 1)[0]
 
 
-def uncheck_mutants_of(functions: set[str], mutants: Path) -> int:
-    """Set the recorded result of every mutant of ``functions`` back to not checked; how many were."""
+def uncheck(mutants: Path, functions: set[str], survivors_but: set[str] | None = None) -> int:
+    """Set the recorded result of every mutant of ``functions`` back to not checked, and with
+    ``survivors_but`` every survivor not named in it; how many were."""
+
+    def again(name: str, code: int | None) -> bool:
+        if code is None:
+            return False
+        return function_of(name) in functions or (
+            survivors_but is not None and code == 0 and name not in survivors_but
+        )
+
     count = 0
     for meta in mutants.rglob("*.py.meta"):
         data = json.loads(meta.read_text())
         results = data["exit_code_by_key"]
-        stale = [
-            name for name, code in results.items() if code is not None and function_of(name) in functions
-        ]
+        stale = [name for name, code in results.items() if again(name, code)]
         for name in stale:
             results[name] = None
         if stale:
@@ -190,16 +202,18 @@ def not_checked(patterns: list[str], mutants: Path) -> list[str]:
 
 
 def invalidate_changed_tests() -> None:
-    """Apply the changes of tests/ since the last run to mutmut's record and results (see the module)."""
+    """Apply the changes of tests/ since the last run to mutmut's record and results (see the module);
+    and check every survivor again that mutation_equivalent.txt does not list: a test written for it
+    may be new, and mutmut checks a mutant once."""
     new = hashes_of_test_files(ROOT / "tests")
     if TEST_HASHES.is_file() and STATS.is_file():
         changed = changed_test_files(json.loads(TEST_HASHES.read_text()), new)
-        if changed:
-            stats = json.loads(STATS.read_text())
-            reached = forget_tests(stats, changed)
-            STATS.write_text(json.dumps(stats, indent=4))
-            again = uncheck_mutants_of(reached, MUTANTS)
-            print(f"{len(changed)} test files changed: {again} mutants of {len(reached)} functions run again")
+        stats = json.loads(STATS.read_text())
+        reached = forget_tests(stats, changed)
+        STATS.write_text(json.dumps(stats, indent=4))
+        equivalent = equivalent_mutants(EQUIVALENT_TXT.read_text())
+        again = uncheck(MUTANTS, reached, survivors_but=equivalent)
+        print(f"{len(changed)} test files changed; {again} mutants of them, and survivors, run again")
     MUTANTS.mkdir(exist_ok=True)
     TEST_HASHES.write_text(json.dumps(new, indent=1))
 

@@ -9,7 +9,7 @@ from tests.mutation_run import (
     forget_tests,
     hashes_of_test_files,
     not_checked,
-    uncheck_mutants_of,
+    uncheck,
 )
 
 SINKS = "leantrain.log.sinks.xǁJsonlSinkǁwrite"
@@ -80,7 +80,7 @@ def test_the_mutants_of_the_named_functions_are_not_checked_again_and_the_others
     }
     meta.write_text(json.dumps({"exit_code_by_key": results, "hash_by_function_name": {}}))
 
-    assert uncheck_mutants_of({SINKS}, tmp_path) == 2
+    assert uncheck(tmp_path, {SINKS}) == 2
     after = json.loads(meta.read_text())
     assert after["exit_code_by_key"] == {
         f"{SINKS}__mutmut_1": None,
@@ -92,6 +92,14 @@ def test_the_mutants_of_the_named_functions_are_not_checked_again_and_the_others
     assert not_checked(["leantrain.log.*"], tmp_path) == [f"{SINKS}__mutmut_{n}" for n in (1, 2, 3)]
     assert not_checked(["leantrain.strategies.*"], tmp_path) == []
     assert len(not_checked([], tmp_path)) == 3
+
+
+def test_every_survivor_not_listed_as_equivalent_is_checked_again(tmp_path):
+    meta = tmp_path / "sinks.py.meta"
+    survivor, listed, killed = (f"{SINKS}__mutmut_{n}" for n in (1, 2, 3))
+    meta.write_text(json.dumps({"exit_code_by_key": {survivor: 0, listed: 0, killed: 1}}))
+    assert uncheck(tmp_path, set(), survivors_but={listed}) == 1
+    assert json.loads(meta.read_text())["exit_code_by_key"] == {survivor: None, listed: 0, killed: 1}
 
 
 def test_a_mutant_runs_its_ordered_tests_until_their_recorded_time_passes_the_budget_but_its_first_ten():
