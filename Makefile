@@ -58,7 +58,7 @@ MUTANTS ?=
 FULL ?=
 mutate: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[mutate]"
-	$(PY) -m tests.mutation_run $(if $(FULL),--full) $(MUTANTS)
+	$(PY) tests/mutation_run.py $(if $(FULL),--full) $(MUTANTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks

@@ -23,9 +23,9 @@ every fit reaches that is the whole suite, single-process (half an hour), before
 that fails on a failing one, and a test that failed unmutated would be named by every mutant it
 "killed" in ``mutants/mutmut-killers.txt``.
 
-    python -m tests.mutation_run                         # what changed since the last run
-    python -m tests.mutation_run 'leantrain.log.*'       # the same, for the modules the patterns name
-    python -m tests.mutation_run --full                  # everything
+    python tests/mutation_run.py                         # what changed since the last run
+    python tests/mutation_run.py 'leantrain.log.*'       # the same, for the modules the patterns name
+    python tests/mutation_run.py --full                  # everything
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -40,8 +41,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-from tests.mutation_report import EQUIVALENT_TXT, equivalent_mutants
 
 ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = ROOT / "mutants"
@@ -201,6 +200,16 @@ def not_checked(patterns: list[str], mutants: Path) -> list[str]:
     return names
 
 
+def listed_equivalents() -> set[str]:
+    """The names in tests/mutation_equivalent.txt, as tests/mutation_report.py reads them. That file is
+    loaded by its path: importing the ``tests`` package here would make the forked pytest runs of the
+    mutated copy (mutants/tests) find this checkout's instead."""
+    spec = importlib.util.spec_from_file_location("mutation_report", ROOT / "tests" / "mutation_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    return report.equivalent_mutants(report.EQUIVALENT_TXT.read_text())
+
+
 def invalidate_changed_tests() -> None:
     """Apply the changes of tests/ since the last run to mutmut's record and results (see the module);
     and check every survivor again that mutation_equivalent.txt does not list: a test written for it
@@ -211,7 +220,7 @@ def invalidate_changed_tests() -> None:
         stats = json.loads(STATS.read_text())
         reached = forget_tests(stats, changed)
         STATS.write_text(json.dumps(stats, indent=4))
-        equivalent = equivalent_mutants(EQUIVALENT_TXT.read_text())
+        equivalent = listed_equivalents()
         again = uncheck(MUTANTS, reached, survivors_but=equivalent)
         print(f"{len(changed)} test files changed; {again} mutants of them, and survivors, run again")
     MUTANTS.mkdir(exist_ok=True)
