@@ -238,9 +238,10 @@ def main() -> int:
         shutil.rmtree(MUTANTS, ignore_errors=True)
     invalidate_changed_tests()
     names = []
-    if args.patterns or not STATS.is_file():
+    recorded = STATS.is_file() and json.loads(STATS.read_text())["duration_by_test"]
+    if args.patterns or not recorded:
         generate_mutants()
-    if not STATS.is_file():
+    if not recorded:  # none yet, or one that mutmut emptied (it drops every test a failed collection missed)
         record_stats_in_parallel(args.workers)
     if args.patterns:
         # mutmut runs every mutant a pattern names again, checked or not: name the unchecked ones.
