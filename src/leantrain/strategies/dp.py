@@ -28,6 +28,6 @@ class DataParallel(Strategy):
     )
 
     def wrap(self, model: nn.Module, example: Example | None) -> None:
-        warnings.warn(DP_WARNING)
+        warnings.warn(DP_WARNING, stacklevel=2)
         self.model = model
         self.module = nn.DataParallel(model) if torch.cuda.device_count() > 1 else model
