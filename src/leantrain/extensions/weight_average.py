@@ -56,18 +56,21 @@ class WeightAverage:
         self.validate_average = validate_average
         with torch.no_grad():
             self.average = [p.detach().to(averaged_dtype(p.dtype), copy=True) for p in self.params]
+        # lerp takes one dtype: a parameter trained in 16 bits as it is (its average is fp32) goes apart
+        apart = [p.dtype != a.dtype for p, a in zip(self.params, self.average, strict=True)]
+        self._fused = [i for i, alone in enumerate(apart) if not alone]
+        self._apart = [i for i, alone in enumerate(apart) if alone]
 
     def on_step(self, stats: Any) -> None:  # a run.hooks.StepStats (a layer above this one)
         if not stats.stepped:
             return
-        pairs = list(zip(local_values(self.average), local_values(self.params), strict=True))
-        alike = [(average, param) for average, param in pairs if average.dtype == param.dtype]
+        averages, params = local_values(self.average), local_values(self.params)
         with torch.no_grad():
-            if alike:  # one fused kernel over every parameter of the average's dtype
-                torch._foreach_lerp_(*map(list, zip(*alike, strict=True)), self.weight)
-            for average, param in pairs:  # a 16-bit parameter trained as it is: lerp takes one dtype
-                if average.dtype != param.dtype:
-                    average.lerp_(param.to(average.dtype), self.weight)
+            if self._fused:  # one fused kernel over every parameter of its average's dtype
+                fused = [averages[i] for i in self._fused], [params[i] for i in self._fused]
+                torch._foreach_lerp_(*fused, self.weight)
+            for i in self._apart:
+                averages[i].lerp_(params[i].to(averages[i].dtype), self.weight)
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
