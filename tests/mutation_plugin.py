@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.mutation_run import function_of
+
 # Under `make mutate`, mutmut first records which functions each test reaches. It sees only the test
 # process; tests/mutation_hooks/sitecustomize.py records what the processes a test starts run, in
 # files that `pytest_runtest_teardown` below adds to the test's record (tests/MUTATION.md).
@@ -40,7 +42,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if beyond:
             config.hook.pytest_deselected(items=items[-beyond:])
             del items[-beyond:]
-        return
 
 
 # `make mutate` runs a mutant's tests until the first fails (-x). mutmut's fork-server runner hands
@@ -73,15 +74,11 @@ def _beyond_the_budget(ordered: list[pytest.Item], durations: dict[str, float], 
     return 0
 
 
-def _mutated_function(mutant: str) -> str:
-    return mutant.rsplit("__mutmut_", 1)[0]
-
-
 def _mutant_test_order(mutant: str) -> Any:
     from mutmut.state import state  # pinned to 3.8.x: its measured test durations
 
     durations = state().duration_by_test
-    function = _mutated_function(mutant)
+    function = function_of(mutant)
     kills: dict[str, int] = {}
     if KILLERS.is_file():
         for line in KILLERS.read_text().splitlines():
@@ -98,7 +95,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             durations.write(f"{report.nodeid}\t{report.duration}\n")
     if report.failed and "__mutmut_" in mutant:
         with KILLERS.open("a") as killers:  # one short line per write: appends do not interleave
-            killers.write(f"{_mutated_function(mutant)}\t{report.nodeid}\n")
+            killers.write(f"{function_of(mutant)}\t{report.nodeid}\n")
 
 
 @pytest.hookimpl(tryfirst=True)  # before mutmut's own teardown hook reads the test's record

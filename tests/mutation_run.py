@@ -241,7 +241,7 @@ def main() -> int:
     recorded = STATS.is_file() and json.loads(STATS.read_text())["duration_by_test"]
     if args.patterns or not recorded:
         generate_mutants()
-    if not recorded:  # none yet, or one that mutmut emptied (it drops every test a failed collection missed)
+    if not recorded:  # none yet, or emptied by a change to a helper of every test (tests/conftest.py)
         record_stats_in_parallel(args.workers)
     if args.patterns:
         # mutmut runs every mutant a pattern names again, checked or not: name the unchecked ones.

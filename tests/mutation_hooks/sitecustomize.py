@@ -3,13 +3,13 @@
 mutmut learns which tests reach a function by recording, in the test process, each call that passes
 through a mutated function's trampoline. torchrun's workers, the CLI and a killed save run in processes
 of their own, so what only they execute (the reductions of a world > 1, what ranks > 0 log) was never
-recorded, and every mutant there counted as untested. ``tests/conftest.py`` puts this folder first on
-the path of the processes tests start, only while mutmut records (``MUTANT_UNDER_TEST=stats``); Python
-imports this module at start-up, and every hit in the process is appended, once per function, to a file
-of its own in ``MUTMUT_PROCESS_HITS``, with the test that runs. The test process adds those files to the
-test's hits when the test ends. ``tests/mutation_run.py`` records on pytest-xdist's workers the same way
-(they are processes the test run starts), and reads the files itself. Nothing here runs outside
-``make mutate``.
+recorded, and every mutant there counted as untested. ``tests/mutation_plugin.py`` puts this folder on
+the path of the processes tests start under ``make mutate``; Python imports this module at start-up, and
+while mutmut records (``MUTANT_UNDER_TEST=stats``) every hit in the process is appended, once per test
+and function, to a file of its own in ``MUTMUT_PROCESS_HITS``, with the test that runs. The test process
+adds those files to the test's hits when the test ends. ``tests/mutation_run.py`` records on
+pytest-xdist's workers the same way (they are processes the test run starts), and reads the files
+itself. Nothing here runs outside ``make mutate``.
 """
 
 import os
