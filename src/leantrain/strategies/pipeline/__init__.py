@@ -86,6 +86,7 @@ class Pipeline(ShardedState, Collectives):
         # Tied weights (one tensor, several names) may end up in several stages, as the same
         # tensor or as copies: their gradients are summed over the stages after each schedule.
         self.tied = [(names, model.get_parameter(names[0]).shape) for names in shared_names(model)]
+        self._uncounted: list[nn.Parameter] | None = None  # see _uncounted_copies
         if isinstance(model, nn.Sequential):
             keep_stage(model, self.stage_index, self.dims.pp)
             self.stage = PipelineStage(
@@ -202,13 +203,10 @@ class Pipeline(ShardedState, Collectives):
         """Each stage holding a tied weight (or a copy) gets the sum of every use's gradient."""
         if not self.tied:
             return
-        held = dict(self.model.named_parameters(remove_duplicate=False))
         grad_dtype = next((p.dtype for p in params), torch.float32)
-        copies, sums = [], []
-        for names, shape in self.tied:
-            mine = list({id(held[n]): held[n] for n in names if n in held}.values())
+        copies, sums = self._tied_copies(), []
+        for mine, (_, shape) in zip(copies, self.tied, strict=True):
             grads = [p.grad for p in mine if p.grad is not None]
-            copies.append(mine)
             sums.append(torch.stack(grads).sum(0) if grads else torch.zeros(shape, dtype=grad_dtype))
         flat = _flatten_dense_tensors(sums)
         dist.all_reduce(flat, group=self.pp_group)
@@ -216,13 +214,35 @@ class Pipeline(ShardedState, Collectives):
             for parameter in mine:
                 parameter.grad = total.clone()
 
+    def _tied_copies(self) -> list[list[nn.Parameter]]:
+        """For each tied weight, the parameters of this stage that hold it (none, one, or copies)."""
+        held = dict(self.model.named_parameters(remove_duplicate=False))
+        return [list({id(held[n]): held[n] for n in names if n in held}.values()) for names, _ in self.tied]
+
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The norm of the whole model's gradient: each stage holds part of it."""
+        """The norm of the whole model's gradient: each stage holds part of it, and a tied weight's
+        gradient, summed into every copy, counts once (as in one process: clipping must agree)."""
+        uncounted = {id(p.grad) for p in self._uncounted_copies() if p.grad is not None}
+        counted = [g for g in grads if id(g) not in uncounted]
         squares = torch.zeros((), dtype=torch.float64, device=self.comm_device)
-        if grads:
-            squares = torch.stack([g.double().pow(2).sum() for g in grads]).sum().to(self.comm_device)
+        if counted:
+            squares = torch.stack([g.double().pow(2).sum() for g in counted]).sum().to(self.comm_device)
         dist.all_reduce(squares, group=self.pp_group)
         return squares.sqrt()
+
+    def _uncounted_copies(self) -> list[nn.Parameter]:
+        """Every copy of a tied weight but one, the first copy on the first stage that holds it
+        (agreed once, over the stages, at the first norm)."""
+        if self._uncounted is None:
+            copies = self._tied_copies()
+            self._uncounted = []
+            if copies:
+                held_from = [self.stage_index if mine else self.dims.pp for mine in copies]
+                first = torch.tensor(held_from, device=self.comm_device)
+                dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.pp_group)
+                for mine, owner in zip(copies, first.tolist(), strict=True):
+                    self._uncounted += mine if owner != self.stage_index else mine[1:]
+        return self._uncounted
 
     def forward_only(
         self, loss_and_metrics: LossAndMetrics, batches: Iterable[Any], precision: Precision
