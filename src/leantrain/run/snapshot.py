@@ -125,11 +125,6 @@ class HostSnapshot:
             obj.load_state_dict(copy_into(obj.state_dict(), self.stateful[name]))
         restore_rng(self.rng)
 
-    def nbytes(self) -> int:
-        """Host memory it holds (the tensors: the optimizer's state and the weights)."""
-        tensors = [*self.tensors, *_leaves(self.optimizer), *_leaves(self.stateful)]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tensors": self.tensors, "optimizer": self.optimizer,
                 "stateful": self.stateful, "rng": self.rng}  # fmt: skip
@@ -137,13 +132,3 @@ class HostSnapshot:
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> HostSnapshot:
         return cls(state["step"], state["tensors"], state["optimizer"], state["stateful"], state["rng"])
-
-
-def _leaves(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [leaf for value in tree.values() for leaf in _leaves(value)]
-    if isinstance(tree, (list, tuple)):
-        return [leaf for value in tree for leaf in _leaves(value)]
-    return []
