@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ import leantrain as lt
 from leantrain.examples import load_example
 from leantrain.strategies.dims import ParallelDims
 from leantrain.strategies.registry import check_config
-from leantrain.strategies.split import Split, balanced_parts
+from leantrain.strategies.split import Split, _to_device, balanced_parts
 from tests.conftest import DeepRegression
 
 
@@ -64,3 +66,119 @@ def test_bad_split_settings_are_one_line_errors(fields, field) -> None:
 def test_more_devices_than_blocks_is_refused() -> None:
     with pytest.raises(lt.ConfigError, match="needs as many repeated blocks; the model has 4"):
         split(DeepRegression().model(), ",".join(["cpu"] * 5))
+
+
+# On the CPU every device is the same one, so where a tensor goes is seen by the device it is *sent*
+# to: `cpu` and `cpu:0` are the same memory but different devices to ask for.
+CPU, CPU0 = torch.device("cpu"), torch.device("cpu:0")
+
+
+class Point(NamedTuple):
+    x: torch.Tensor
+    label: str
+
+
+def test_tensors_are_moved_inside_any_container_and_containers_keep_their_class() -> None:
+    from transformers.modeling_outputs import CausalLMOutput
+
+    meta = torch.device("meta")  # moved tensors keep their shape and lose their data: a visible move
+    one = torch.ones(2)
+    value = {
+        "point": Point(one, "a"),
+        "list": [one, 3],
+        "tuple": (one,),
+        "output": CausalLMOutput(logits=one),
+        "plain": "text",
+    }
+    moved = _to_device(value, meta)
+    assert isinstance(moved["point"], Point) and moved["point"].x.is_meta and moved["point"].label == "a"
+    assert isinstance(moved["list"], list) and moved["list"][0].is_meta and moved["list"][1] == 3
+    assert isinstance(moved["tuple"], tuple) and moved["tuple"][0].is_meta
+    assert isinstance(moved["output"], CausalLMOutput) and moved["output"].logits.is_meta
+    assert moved["output"]["logits"].is_meta  # a ModelOutput's fields are both keys and attributes
+    assert moved["plain"] == "text"
+    assert not value["list"][0].is_meta and not value["output"].logits.is_meta  # the input is left as it was
+
+
+class Scale(torch.nn.Module):
+    """A module with a buffer and no parameter (as a rotary embedding's cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("factor", torch.tensor(2.0))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden * self.factor
+
+
+class TiedBlocks(torch.nn.Module):
+    """An embedding and a head that share one weight, around two repeated blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = torch.nn.Embedding(10, 4)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4)) for _ in range(2))
+        self.scale = Scale()
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.token.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.token(ids)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(self.scale(hidden))
+
+
+@pytest.fixture
+def sent(monkeypatch) -> list[tuple[tuple[int, ...], torch.device | None]]:
+    """(shape, device asked for) of every `Tensor.to` call, in order."""
+    calls: list[tuple[tuple[int, ...], torch.device | None]] = []
+    to = torch.Tensor.to
+
+    def recording_to(tensor, *args, **kwargs):
+        calls.append((tuple(tensor.shape), args[0] if args else kwargs.get("device")))
+        return to(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    return calls
+
+
+def test_each_part_goes_to_its_device_and_a_tied_weight_stays_with_its_first_user(sent) -> None:
+    model = TiedBlocks()
+    split(model, "cpu,cpu:0")
+    # the embedding and the first block to cpu, the second block and the buffer after it to cpu:0; the
+    # head's weight, tied to the embedding's, is not moved a second time
+    assert sent == [((10, 4), CPU), ((4, 4), CPU), ((4,), CPU), ((4, 4), CPU0), ((4,), CPU0), ((), CPU0)]
+    assert model.head.weight is model.token.weight
+
+
+def test_inputs_go_to_each_modules_weights_and_the_output_back_to_the_first_device(sent) -> None:
+    model = TiedBlocks()
+    split(model, "cpu,cpu:0")
+    sent.clear()
+    model(torch.tensor([[1, 2]]))
+    # token, blocks.0: cpu; blocks.1: where its weights are (the tensors of cpu:0 say cpu); the buffer
+    # that has no weight: its part's device; the head: where its tied weight stayed; then the output
+    # back to the first device, beside the targets
+    assert [device for _, device in sent] == [CPU, CPU, CPU, CPU0, CPU, CPU]
+
+
+def test_keyword_inputs_are_moved_too(sent) -> None:
+    model = TiedBlocks()
+    split(model, "cpu,cpu:0")
+    sent.clear()
+    model.blocks[1](input=torch.ones(1, 4))
+    assert sent == [((1, 4), CPU)]
+
+
+@pytest.mark.parametrize("use", ["check", "input_device", "wrap"])
+def test_without_a_device_map_the_error_shows_the_empty_value_given(use) -> None:
+    cfg = lt.TrainConfig(strategy="split")
+    with pytest.raises(lt.ConfigError) as caught:
+        if use == "wrap":
+            Split(cfg, torch.device("cpu"), ParallelDims()).wrap(DeepRegression().model(), None)
+        else:
+            getattr(Split, use)(cfg, torch.device("cpu")) if use == "input_device" else Split.check(cfg, 1)
+    assert str(caught.value) == (
+        "invalid device_map='': needs two or more comma-separated devices, e.g. cuda:0,cuda:1"
+    )
