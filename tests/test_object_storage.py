@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from safetensors.torch import load, load_file
 
 from leantrain import TrainConfig, cli, remote
 from leantrain.errors import StorageError
+from leantrain.run.mirror import MirroredCheckpoints, default_staging
 from leantrain.trainer import Trainer
 from tests.conftest import RegressionTask
 from tests.distributed.conftest import REPO, launch_here, worker_env
@@ -297,3 +299,25 @@ def test_gcs_requests_are_bounded_per_read_not_in_total():
     options = remote._bounded_options("gs")["requests_timeout"]
     assert options.total is None and options.sock_read == remote.READ_SECONDS
     assert options.sock_connect == remote.CONNECT_SECONDS
+
+
+def test_a_run_at_a_url_is_staged_in_one_cache_folder_per_url(tmp_path, monkeypatch):
+    """Without --staging-dir: under $XDG_CACHE_HOME/leantrain/staging, the same folder for the same URL
+    (a run resumed on this machine finds its files), another for another URL."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    staging = default_staging("s3://runs/exp-1")
+    assert staging.parent == tmp_path / "leantrain" / "staging" and staging.name.startswith("exp-1-")
+    assert default_staging("s3://runs/exp-1/") == staging
+    assert default_staging("s3://other/exp-1") != staging
+
+
+def test_the_checkpoints_of_a_run_at_a_url_are_its_complete_ones_oldest_first(tmp_path):
+    """What the line after a refused write names as the last good checkpoint: the newest whose manifest
+    is at the URL, as the URL says it."""
+    url = "s3://runs/exp"
+    mirror = SimpleNamespace(staging=tmp_path, complete_steps=lambda: [2, 6],
+                             remote=SimpleNamespace(url_of=lambda name: f"{url}/{name}"))  # fmt: skip
+    checkpoints = MirroredCheckpoints(mirror, keep=2)
+    saved = checkpoints.files()
+    assert saved == [tmp_path / "checkpoints" / f"step-0000000{step}.pt" for step in (2, 6)]
+    assert checkpoints.describe(saved[-1]) == f"{url}/checkpoints/step-00000006.pt"

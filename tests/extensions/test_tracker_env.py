@@ -246,6 +246,21 @@ def test_wandb_says_which_project_and_what_chose_it_and_online_it_logs_in_withou
     assert logins == [{"verify": True, "prompt": False}]
 
 
+def test_wandb_says_where_its_files_go_and_what_chose_it(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from leantrain.extensions.wandb_tracker import WandbTracker
+
+    for name in ("WANDB_PROJECT", "WANDB_DIR", "WANDB_ENTITY", "WANDB_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    said = WandbTracker(None, run_dir, 5).describe
+    assert f"files in {run_dir / 'wandb'} (default: the run folder)," in said
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    said = WandbTracker(None, run_dir, 5).describe
+    assert f"files in {tmp_path / 'elsewhere' / 'wandb'} (WANDB_DIR)," in said
+
+
 @pytest.mark.parametrize("resumed", [False, True])
 def test_wandb_opens_its_run_with_every_setting_it_read_from_the_environment(tmp_path, monkeypatch, resumed):
     """W&B reads its environment once per process: every setting is passed to init, so that a second run
