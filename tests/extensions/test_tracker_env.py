@@ -261,6 +261,46 @@ def test_wandb_says_where_its_files_go_and_what_chose_it(tmp_path, monkeypatch):
     assert f"files in {tmp_path / 'elsewhere' / 'wandb'} (WANDB_DIR)," in said
 
 
+@pytest.mark.parametrize("mode_from_env", [True, False])
+def test_wandb_says_its_mode_server_entity_and_run_and_where_it_logs(tmp_path, monkeypatch, mode_from_env):
+    pytest.importorskip("wandb")
+    import wandb
+
+    from leantrain.extensions.wandb_tracker import WandbTracker
+
+    for name in ("WANDB_PROJECT", "WANDB_DIR", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    files = tmp_path / "run" / "wandb"
+    if mode_from_env:
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        offline = WandbTracker(None, tmp_path / "run", 5)
+        assert offline.describe == (
+            f"offline (WANDB_MODE), files in {files} (default: the run folder), project leantrain (default)"
+        )
+        assert offline.where == f"{files} (offline, project leantrain)"
+        monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_ENTITY", "team")
+    monkeypatch.setenv("WANDB_RUN_ID", "abc123")
+    online = WandbTracker(None, tmp_path / "run", 5)
+    settings = wandb.Settings()
+    mode = "online (WANDB_MODE)" if mode_from_env else settings.mode
+    assert online.describe == (
+        f"{mode} to {settings.base_url}, files in {files} (default: the run folder), "
+        "project leantrain (default), entity team (WANDB_ENTITY), run abc123 (WANDB_RUN_ID)"
+    )
+    assert online.where == f"{settings.base_url} (project leantrain)"
+
+
+def test_wandb_keeps_the_bounds_the_user_set_in_its_own_variables(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from leantrain.extensions.wandb_tracker import WandbTracker
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_FINISH_TIMEOUT", raising=False)
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "300")
+    assert WandbTracker(None, tmp_path, timeout=5).bounds == {"finish_timeout": 5}
+
+
 @pytest.mark.parametrize("resumed", [False, True])
 def test_wandb_opens_its_run_with_every_setting_it_read_from_the_environment(tmp_path, monkeypatch, resumed):
     """W&B reads its environment once per process: every setting is passed to init, so that a second run

@@ -39,6 +39,7 @@ def test_mlflow_gets_the_config_the_rows_of_metrics_csv_and_the_summary_in_one_r
     pytest.importorskip("mlflow")
     out, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
     settings = dict(RUN, logger="mlflow", mlflow_uri=uri, checkpoint_every=2)
+    started_ms = time.time() * 1000
     with pytest.raises(KeyboardInterrupt):
         lt.Trainer(quiet_config(out, **settings), callbacks=[StopAt(5)]).fit(TinyClassifier())
     _, runs = mlflow_run(uri)
@@ -52,6 +53,13 @@ def test_mlflow_gets_the_config_the_rows_of_metrics_csv_and_the_summary_in_one_r
         assert history_steps(client, run.info.run_id, metric) == csv_steps(out, metric), metric
     assert run.data.metrics["summary/steps"] == result.steps == 8
     assert run.data.metrics["summary/final_train_loss"] == pytest.approx(result.final_train_loss)
+    [steps] = client.get_metric_history(run.info.run_id, "summary/steps")
+    assert steps.step == 8  # the summary sits at the last step, beside the last rows
+    # metrics carry the time they were logged, in milliseconds
+    assert started_ms <= steps.timestamp <= time.time() * 1000
+    # what is not a number is a tag: the summary's strings and its flags
+    assert run.data.tags["summary/strategy"] == "single" and run.data.tags["summary/stopped_early"] == "False"
+    assert "summary/strategy" not in run.data.metrics and "summary/steps" not in run.data.tags
 
 
 def test_a_tracker_that_fails_mid_run_warns_once_and_training_goes_on(tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ from leantrain.step.precision import Fp32
 from leantrain.strategies.dims import ParallelDims
 from leantrain.strategies.single import Single
 from tests.conftest import HeavyFromStep, RegressionTask
+from tests.data.test_stream_resume import StreamTask
 
 
 def test_the_search_doubles_then_bisects():
@@ -82,6 +83,30 @@ def test_an_out_of_memory_step_halves_the_micro_batch_and_is_run_again(fit):
     for name, value in reference.model.state_dict().items():
         assert float((result.model.state_dict()[name] - value).abs().max()) <= 1e-10, name
     assert math.isfinite(result.final_train_loss)
+
+
+class HeavyStream(HeavyFromStep, StreamTask):
+    """HeavyFromStep's loss over RegressionTask's data as a stream that counts what it reads and says
+    where it is (``state_dict``); ``streams``: every one it made."""
+
+    def train_data(self):
+        self.streams = [*getattr(self, "streams", []), super().train_data()]
+        return self.streams[-1]
+
+
+def test_after_out_of_memory_a_stream_goes_on_from_its_saved_state(fit):
+    """The smaller micro-batches come from the stream's next samples, read from where the stream was,
+    not again from its start (the fallback of a stream without state: 3 steps re-read here)."""
+    budget = budget_for(HeavyFromStep(), 4, global_batch_size=16)
+    task = HeavyStream(heavy=False, after_step=3)
+    with pytest.warns(lt.LeantrainWarning, match=r"out of memory at step 4: micro-batch 8 -> 4"):
+        result = fit(task, callbacks=[task], global_batch_size=16, micro_batch_size=8, memory_budget=budget,
+                     max_steps=8, num_workers=0)  # fmt: skip
+    read = max(stream.produced for stream in task.streams)  # the training stream's (others: a probe)
+    assert read <= 8 * 16 + 16, read  # at most the step that ran out of memory, twice
+    reference = fit(StreamTask(), global_batch_size=16, micro_batch_size=16, max_steps=8, num_workers=0)
+    for name, value in reference.model.state_dict().items():
+        assert float((result.model.state_dict()[name] - value).abs().max()) <= 1e-10, name
 
 
 def test_auto_on_the_cpu_needs_a_budget_and_a_budget_must_hold_the_weights(fit):

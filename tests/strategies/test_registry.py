@@ -212,7 +212,7 @@ def test_a_strategy_of_whole_checkpoints_refuses_sharded_ones_naming_itself(tmp_
     """The default of a new strategy that sets `sharded` without saving shards: a line naming it."""
     single = strategy_class("single")(lt.TrainConfig(), torch.device("cpu"), ParallelDims())
     optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
-    with pytest.raises(NotImplementedError, match="^strategy single saves whole checkpoints$"):
+    with pytest.raises(NotImplementedError, match=r"^strategy single saves whole checkpoints$"):
         single.save_sharded(tmp_path, optimizer, {})
-    with pytest.raises(NotImplementedError, match="^strategy single loads whole checkpoints$"):
+    with pytest.raises(NotImplementedError, match=r"^strategy single loads whole checkpoints$"):
         single.load_sharded(tmp_path, optimizer, tmp_path / "step-00000001.pt")
