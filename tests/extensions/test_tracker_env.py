@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 import leantrain as lt
-from leantrain.extensions.trackers import MARKS, TrackerCallback
+from leantrain.extensions.trackers import MARKS, TrackerCallback, read_mark
 from tests.conftest import TinyClassifier, quiet_config
 from tests.extensions.test_trackers import wandb_records
 from tests.test_resume import StopAt
@@ -356,3 +356,33 @@ def test_an_online_wandb_run_continued_says_its_last_step_and_each_ending_has_it
     tracker.finish(None)  # failed or interrupted
     tracker.finish({"loss": 0.5})
     assert ended == [(1, {}), (0, {"summary/loss": 0.5})]
+
+
+@pytest.mark.parametrize(
+    ("content", "step"),
+    [
+        ('{"run": "r1", "step": 5}', 5),
+        ('{"run": "r1", "step": 0}', 0),  # step 0 was handed over: a resume sends from step 1 on
+        ('{"run": "other", "step": 5}', None),  # another tracker run's mark
+        ('{"run": "r1", "step": -1}', None),
+        ('{"run": "r1", "step": true}', None),
+        ('{"run": "r1", "step": "5"}', None),
+        ('{"run": "r1", "step": 5' + " " * 4073 + "}", None),  # 4,097 bytes: no marks file is that long
+        ("[5]", None),
+        ("garbage", None),
+        (None, None),  # no file
+    ],
+)
+def test_a_marks_file_is_believed_only_when_it_is_small_about_this_run_and_a_step(tmp_path, content, step):
+    path = tmp_path / "wandb.json"
+    if content is not None:
+        path.write_text(content)
+    assert read_mark(path, "r1") == step
+
+
+@pytest.mark.parametrize(("attach", "run_key"), [("moved-here", "moved-here"), (None, "saved-key")])
+def test_a_resumed_tracker_continues_the_run_the_environment_names_else_the_checkpoints(attach, run_key):
+    tracker = SimpleNamespace(name="wandb", where="fake", attach=attach)
+    callback = TrackerCallback(tracker, {}, print, timeout=5)
+    callback.load_state_dict({"run_key": "saved-key"})
+    assert callback.run_key == run_key and callback.resumed

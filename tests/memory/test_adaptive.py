@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 import leantrain as lt
 from leantrain.memory.adaptive import AllocatorRetries, next_smaller, search_micro_batch
 from leantrain.memory.estimate import estimate_memory
+from leantrain.run import data
 from leantrain.step.accumulator import Accumulator, StepStatus
 from leantrain.step.batching import BatchSplit
 from leantrain.step.losses import LossTracker
@@ -109,6 +111,22 @@ def test_after_out_of_memory_a_stream_goes_on_from_its_saved_state(fit):
         assert float((result.model.state_dict()[name] - value).abs().max()) <= 1e-10, name
 
 
+def test_a_restart_hands_the_new_loader_this_processs_position_and_token_counts(monkeypatch):
+    """What each process restarts from after out of memory: its own token counts (rank 0's checkpoint
+    default would be wrong on the others) and the streams' positions after the step."""
+    position = SimpleNamespace(
+        names=["web"], tokens=lambda step: [700 + step], after=lambda step: [{"read": step}]
+    )
+    calls = []
+    monkeypatch.setattr(data, "build_train_loader", lambda *args: calls.append(args) or (None, 0, 0))
+    schedule = SimpleNamespace(total_steps=8)
+    part = data.DataPart(SimpleNamespace(cfg="cfg", data_env="env"), "train", schedule, BatchSplit(16, 8), 0,
+                         (SimpleNamespace(position=position), None), 0, "pinned", None)  # fmt: skip
+    part.restart(BatchSplit(16, 4), 3)
+    saved = {"step": 3, "sources": ["web"], "positions": [{"read": 3}], "tokens": [703]}
+    assert calls == [("train", "cfg", "env", BatchSplit(16, 4), 8, 3, "pinned", saved, [703])]
+
+
 def test_auto_on_the_cpu_needs_a_budget_and_a_budget_must_hold_the_weights(fit):
     with pytest.raises(lt.LeantrainError, match="micro_batch_size auto needs memory_budget on this device"):
         fit(RegressionTask(), global_batch_size=16, micro_batch_size="auto", max_steps=1)
@@ -118,7 +136,9 @@ def test_auto_on_the_cpu_needs_a_budget_and_a_budget_must_hold_the_weights(fit):
 
 def test_a_step_that_does_not_fit_even_at_micro_batch_one_is_a_clear_error(fit):
     budget = budget_for(HeavyFromStep(), 1, global_batch_size=16)
-    with pytest.raises(lt.LeantrainError, match="with a micro-batch of 1, the smallest"):
+    with pytest.raises(
+        lt.LeantrainError, match=r"^out of memory at step 1 with a micro-batch of 1, the smallest"
+    ):
         fit(HeavyFromStep(), global_batch_size=16, micro_batch_size=1,
             memory_budget=str(int(budget) // 3), max_steps=2)  # fmt: skip
 
