@@ -76,7 +76,7 @@ def fit(tmp_path, out: str, staging: str, **settings) -> object:
     return Trainer(TrainConfig(**config)).fit(RegressionTask())
 
 
-def test_a_run_at_a_url_resumes_on_another_machine_as_the_uninterrupted_run(tmp_path, s3):
+def test_a_run_at_a_url_resumes_on_another_machine_as_the_uninterrupted_run(tmp_path, s3, capsys):
     url = f"s3://{BUCKET}/resumed"
     fit(tmp_path, url, "machine-a", max_steps=6, checkpoint_every=2, keep_checkpoints=2)
     held = objects(s3, "resumed")
@@ -92,6 +92,13 @@ def test_a_run_at_a_url_resumes_on_another_machine_as_the_uninterrupted_run(tmp_
     assert cli.main(["export", f"{url}/checkpoints/step-00000006.pt", exported]) == 0
     at_step_6 = weights_at(s3, "resumed/model.safetensors")
     assert all(torch.equal(weights_at(s3, "exports/step6.safetensors")[n], t) for n, t in at_step_6.items())
+    # to a folder at the URL: its files go there, and the line says which file holds the weights
+    capsys.readouterr()
+    assert cli.main(["export", f"{url}/checkpoints/step-00000006.pt", f"s3://{BUCKET}/exports/step6/"]) == 0
+    assert capsys.readouterr().out.split() == ["wrote", f"s3://{BUCKET}/exports/step6/model.safetensors"]
+    assert objects(s3, "exports/step6") == ["model.safetensors"]
+    in_folder = weights_at(s3, "exports/step6/model.safetensors")
+    assert all(torch.equal(in_folder[name], tensor) for name, tensor in at_step_6.items())
 
     # Another staging folder: nothing of the first machine's files, only the URL's.
     again = fit(tmp_path, url, "machine-b", max_steps=9, checkpoint_every=2, resume="auto")

@@ -62,6 +62,25 @@ def test_mlflow_gets_the_config_the_rows_of_metrics_csv_and_the_summary_in_one_r
     assert "summary/strategy" not in run.data.metrics and "summary/steps" not in run.data.tags
 
 
+def test_a_resumed_mlflow_run_continues_its_own_run_not_the_experiments_latest(tmp_path):
+    """Two runs log to one experiment; the first, killed, resumes after the second ran: it must find its
+    own MLflow run by its key, not take the newest run of the experiment."""
+    pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    settings = dict(RUN, logger="mlflow", mlflow_uri=uri, checkpoint_every=2)
+    with pytest.raises(KeyboardInterrupt):
+        lt.Trainer(quiet_config(tmp_path / "first", **settings), callbacks=[StopAt(5)]).fit(TinyClassifier())
+    lt.Trainer(quiet_config(tmp_path / "second", **settings)).fit(TinyClassifier())
+    lt.Trainer(quiet_config(tmp_path / "first", **settings, resume="auto")).fit(TinyClassifier())
+    client, runs = mlflow_run(uri)
+    by_name = {run.info.run_name: run for run in runs}
+    assert sorted(by_name) == ["first", "second"]
+    for name, run in by_name.items():
+        assert run.info.status == "FINISHED", name
+        steps = history_steps(client, run.info.run_id, "train_loss")
+        assert steps == csv_steps(tmp_path / name, "train_loss") == [2, 4, 6, 8], name
+
+
 def test_a_tracker_that_fails_mid_run_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     from leantrain.extensions.mlflow_tracker import MLflowTracker

@@ -245,7 +245,7 @@ def exported(checkpoint: str, out: str, export: Callable[[Path, Path], Path]) ->
         if not is_url(out):
             return str(export(source, Path(out)))
         if out.endswith(".safetensors"):
-            parent, name = out.rstrip("/").rsplit("/", 1)
+            parent, name = out.rsplit("/", 1)
             RemoteFolder(parent).put(export(source, Path(scratch) / name), name)
             return out
         folder = Path(scratch) / "out"
