@@ -82,7 +82,7 @@ def _mutant_test_order(mutant: str) -> Any:
     kills: dict[str, int] = {}
     if KILLERS.is_file():
         for line in KILLERS.read_text().splitlines():
-            killed_function, _, test = line.partition("\t")
+            killed_function, test = line.split("\t")[:2]
             if killed_function == function:
                 kills[test] = kills.get(test, 0) + 1
     return lambda item: (-kills.get(item.nodeid, 0), durations.get(item.nodeid, 0.0))
@@ -95,7 +95,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             durations.write(f"{report.nodeid}\t{report.duration}\n")
     if report.failed and "__mutmut_" in mutant:
         with KILLERS.open("a") as killers:  # one short line per write: appends do not interleave
-            killers.write(f"{function_of(mutant)}\t{report.nodeid}\n")
+            killers.write(f"{function_of(mutant)}\t{report.nodeid}\t{mutant}\n")
 
 
 @pytest.hookimpl(tryfirst=True)  # before mutmut's own teardown hook reads the test's record

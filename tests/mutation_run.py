@@ -5,12 +5,14 @@ source changed. A changed *test* goes unseen by it: a test weakened since the la
 counted as killing its mutants. So before mutmut runs, this script compares every file under tests/ with
 the hashes it saved last time, and for each file that changed (or is new, or gone):
 
-- the mutants of every function its tests reached are set back to *not checked*;
+- the mutants a test of it killed (tests/mutation_plugin.py writes each kill to
+  ``mutants/mutmut-killers.txt``) are set back to *not checked*; a mutant killed before kills were
+  written per mutant, when a test of the file reached its function;
 - its tests are dropped from mutmut's record of which tests reach which function, so that mutmut records
   them again (a changed test may reach other functions now).
 
-And every survivor not listed in tests/mutation_equivalent.txt is checked again: a new test (a new file
-too) may kill it now, and mutmut checks a mutant once.
+And every survivor not listed in tests/mutation_equivalent.txt, and every mutant no test reached, is
+checked again: a new test (a new file too) may kill or reach it, and mutmut checks a mutant once.
 
 A changed helper (``conftest.py``, a module of shared tasks) changes every test in its folder and below;
 the mutation check's own files (``mutation_*.py``, ``mutation_hooks/``) change none.
@@ -40,12 +42,14 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = ROOT / "mutants"
 TEST_HASHES = MUTANTS / "test-hashes.json"
 STATS = MUTANTS / "mutmut-stats.json"
+KILLERS = MUTANTS / "mutmut-killers.txt"  # written by tests/mutation_plugin.py
 
 
 def generate_mutants() -> None:
@@ -166,22 +170,52 @@ def function_of(mutant: str) -> str:
     return mutant.rsplit("__mutmut_", 1)[0]
 
 
-def uncheck(mutants: Path, functions: set[str], survivors_but: set[str] | None = None) -> int:
-    """Set the recorded result of every mutant of ``functions`` back to not checked, and with
-    ``survivors_but`` every survivor not named in it; how many were."""
+# mutmut's results: 0 a survivor, 33 no test reaches the mutant's function; the other codes, killed.
+SURVIVED, NO_TESTS = 0, 33
 
-    def again(name: str, code: int | None) -> bool:
-        if code is None:
-            return False
-        return function_of(name) in functions or (
-            survivors_but is not None and code == 0 and name not in survivors_but
-        )
 
+def killers_of_mutants(killers: Path) -> dict[str, set[str]]:
+    """Mutant -> the tests that killed it, from the lines tests/mutation_plugin.py appends to
+    ``killers`` (function, test, mutant; a line without a mutant is from before they were named)."""
+    found: dict[str, set[str]] = {}
+    if killers.is_file():
+        for line in killers.read_text().splitlines():
+            fields = line.split("\t")
+            if len(fields) == 3:
+                found.setdefault(fields[2], set()).add(fields[1])
+    return found
+
+
+def check_again(
+    reached: set[str], changed: set[str], killers: dict[str, set[str]], equivalent: set[str]
+) -> Callable[[str, int], bool]:
+    """Whether a mutant's recorded result must be checked again after the test files ``changed``:
+    - a killed one, if a test that killed it is in a changed file (it may no longer fail); killed with
+      no test named (before killers were recorded per mutant), if a changed file's tests reached its
+      function (``reached``);
+    - every survivor but the ``equivalent`` ones (a test written for it may be new), and every mutant
+      no test reached (a new test may reach it)."""
+
+    def again(name: str, code: int) -> bool:
+        if code == SURVIVED:
+            return name not in equivalent
+        if code == NO_TESTS:
+            return True
+        killed_by = killers.get(name)
+        if killed_by:
+            return any(test.split("::", 1)[0] in changed for test in killed_by)
+        return function_of(name) in reached
+
+    return again
+
+
+def uncheck(mutants: Path, again: Callable[[str, int], bool]) -> int:
+    """Set the recorded result of every mutant that ``again`` names back to not checked; how many."""
     count = 0
     for meta in mutants.rglob("*.py.meta"):
         data = json.loads(meta.read_text())
         results = data["exit_code_by_key"]
-        stale = [name for name, code in results.items() if again(name, code)]
+        stale = [name for name, code in results.items() if code is not None and again(name, code)]
         for name in stale:
             results[name] = None
         if stale:
@@ -220,9 +254,9 @@ def invalidate_changed_tests() -> None:
         stats = json.loads(STATS.read_text())
         reached = forget_tests(stats, changed)
         STATS.write_text(json.dumps(stats, indent=4))
-        equivalent = listed_equivalents()
-        again = uncheck(MUTANTS, reached, survivors_but=equivalent)
-        print(f"{len(changed)} test files changed; {again} mutants of them, and survivors, run again")
+        rule = check_again(reached, changed, killers_of_mutants(KILLERS), listed_equivalents())
+        again = uncheck(MUTANTS, rule)
+        print(f"{len(changed)} test files changed; {again} mutants (their kills, and survivors) run again")
     MUTANTS.mkdir(exist_ok=True)
     TEST_HASHES.write_text(json.dumps(new, indent=1))
 

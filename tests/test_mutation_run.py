@@ -6,8 +6,10 @@ import json
 
 from tests.mutation_run import (
     changed_test_files,
+    check_again,
     forget_tests,
     hashes_of_test_files,
+    killers_of_mutants,
     not_checked,
     uncheck,
 )
@@ -69,7 +71,7 @@ def test_the_tests_of_changed_files_are_forgotten_and_the_functions_they_reached
     assert stats["duration_by_test"] == {"tests/test_top.py::test_b": 2.0}
 
 
-def test_the_mutants_of_the_named_functions_are_not_checked_again_and_the_others_keep_their_results(tmp_path):
+def test_the_mutants_named_are_not_checked_again_and_the_others_keep_their_results(tmp_path):
     meta = tmp_path / "src" / "leantrain" / "log" / "sinks.py.meta"
     meta.parent.mkdir(parents=True)
     results = {
@@ -80,7 +82,7 @@ def test_the_mutants_of_the_named_functions_are_not_checked_again_and_the_others
     }
     meta.write_text(json.dumps({"exit_code_by_key": results, "hash_by_function_name": {}}))
 
-    assert uncheck(tmp_path, {SINKS}) == 2
+    assert uncheck(tmp_path, lambda name, code: name.startswith(SINKS)) == 2
     after = json.loads(meta.read_text())
     assert after["exit_code_by_key"] == {
         f"{SINKS}__mutmut_1": None,
@@ -94,12 +96,25 @@ def test_the_mutants_of_the_named_functions_are_not_checked_again_and_the_others
     assert len(not_checked([], tmp_path)) == 3
 
 
-def test_every_survivor_not_listed_as_equivalent_is_checked_again(tmp_path):
-    meta = tmp_path / "sinks.py.meta"
-    survivor, listed, killed = (f"{SINKS}__mutmut_{n}" for n in (1, 2, 3))
-    meta.write_text(json.dumps({"exit_code_by_key": {survivor: 0, listed: 0, killed: 1}}))
-    assert uncheck(tmp_path, set(), survivors_but={listed}) == 1
-    assert json.loads(meta.read_text())["exit_code_by_key"] == {survivor: None, listed: 0, killed: 1}
+def test_a_killed_mutant_is_checked_again_when_a_test_that_killed_it_changed_survivors_always(tmp_path):
+    killers = tmp_path / "mutmut-killers.txt"
+    killers.write_text(
+        f"{SINKS}\ttests/log/test_sinks.py::test_a\t{SINKS}__mutmut_1\n"
+        f"{SINKS}\ttests/test_top.py::test_b\t{SINKS}__mutmut_2\n"
+        f"{SINKS}\ttests/test_top.py::test_b\n"  # a line from before mutants were named
+    )
+    by_mutant = killers_of_mutants(killers)
+    assert by_mutant == {
+        f"{SINKS}__mutmut_1": {"tests/log/test_sinks.py::test_a"},
+        f"{SINKS}__mutmut_2": {"tests/test_top.py::test_b"},
+    }
+    again = check_again({SINKS}, {"tests/log/test_sinks.py"}, by_mutant, {f"{SINKS}__mutmut_5"})
+    assert again(f"{SINKS}__mutmut_1", 1)  # its killer changed
+    assert not again(f"{SINKS}__mutmut_2", 1)  # reached by the changed file's tests, killed by another
+    assert again(f"{SINKS}__mutmut_3", 1)  # killed by an unnamed test: reached by the changed file
+    assert not again(f"{DDP}__mutmut_1", 1)  # unnamed killer, not reached by the changed file
+    assert again(f"{DDP}__mutmut_2", 0) and not again(f"{SINKS}__mutmut_5", 0)  # survivors but equivalents
+    assert again(f"{DDP}__mutmut_3", 33)  # no test reached it: a new one may
 
 
 def test_a_mutant_runs_its_ordered_tests_until_their_recorded_time_passes_the_budget_but_its_first_ten():
