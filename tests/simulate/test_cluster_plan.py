@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from rich.console import Console
 
 from leantrain.cli import main
 from leantrain.config import TrainConfig
@@ -19,8 +20,10 @@ from leantrain.errors import LeantrainError
 from leantrain.simulate.cluster_plan import plan_cluster
 from leantrain.simulate.fake_world import fake_world
 from leantrain.simulate.hardware import parse_cluster
+from leantrain.simulate.report import search_table
 from leantrain.simulate.search import Tried, layouts, search
 from leantrain.strategies.fsdp import shard_units
+from leantrain.units import format_bytes
 from tests.distributed.tasks import tiny_charlm
 
 TASK = "tests.distributed.tasks:tiny_charlm"  # float64, 4 blocks, tied embedding and head
@@ -108,7 +111,9 @@ def test_layouts_cover_the_strategies_tp_degrees_policies_and_micro_batches():
     assert all([c.micro_batch_size for c in g] == sorted(c.micro_batch_size for c in g) for g in groups)
 
 
-def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_the_fastest_first(monkeypatch):
+def searched(monkeypatch) -> tuple[list[Tried], list[TrainConfig]]:
+    """The search over ddp layouts on 2 GPUs of 1 GiB, as though micro-batches from 2 did not fit; what
+    it tried, and the layouts it simulated."""
     cluster = parse_cluster("1x2x1GiB")
     real_plan = plan_cluster
     simulated = []
@@ -116,14 +121,18 @@ def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_t
     def plan_cluster_with_a_limit(task, cfg, cluster, mfu=None, item=None):
         simulated.append(cfg)
         plan = real_plan(task, cfg, cluster, mfu, item)
-        if cfg.micro_batch_size >= 2:  # as though micro-batches from 2 did not fit
+        if cfg.micro_batch_size >= 2:
             object.__setattr__(plan, "peak", {"Total": 2**40})
         return plan
 
     monkeypatch.setattr("leantrain.simulate.search.plan_cluster", plan_cluster_with_a_limit)
     monkeypatch.setattr("leantrain.simulate.search.STRATEGIES", ("ddp",))
     cfg = TrainConfig(global_batch_size=8, precision="bf16-mixed")
-    tried = search(tiny_charlm(), cfg, cluster)
+    return search(tiny_charlm(), cfg, cluster), simulated
+
+
+def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_the_fastest_first(monkeypatch):
+    tried, simulated = searched(monkeypatch)
     # tp 1 (micro 1, 2, 4) and tp 2 (micro 1, 2, 4, 8), x 3 policies: 21 layouts. Simulated: each tp's
     # micro 1 without recomputation (it fits: the recomputed ones are not tried) and micro 2 with each.
     assert len(tried) == 21
@@ -139,6 +148,39 @@ def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_t
     assert reasons.count("a smaller micro-batch of this layout does not fit") == 21 - 8 - 4
     assert isinstance(tried[0], Tried) and tried[0].as_dict()["fits"] is True
     assert tried[-1].as_dict()["reason"] in reasons
+
+
+def test_the_search_table_shows_each_layout_tried_fitting_fastest_first_and_the_line_to_launch_the_best(
+    monkeypatch,
+):
+    tried, _ = searched(monkeypatch)
+    flags = ["--task", TASK, "--global-batch-size", "8"]
+    console = Console(record=True, width=250)
+    console.print(search_table(tried, flags, shown=5))
+    lines = console.export_text().splitlines()
+    assert lines[0].strip() == "21 layouts tried, 2 fit (fastest first)"
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+    assert len(rows) == 5  # the first five only
+    for row, one in zip(rows, tried, strict=False):
+        strategy, dp_tp, micro_acc, recompute, precision, peak, reserved, fits, step, tokens = row
+        cfg = one.cfg
+        assert (strategy, precision) == (cfg.strategy, cfg.precision)
+        assert recompute == (cfg.activation_checkpointing or "-")
+        assert fits == ("yes" if one.fits else "no")
+        if one.plan is None:
+            assert (dp_tp, micro_acc) == (f"? x {cfg.tp}", str(cfg.micro_batch_size))
+            assert (peak, reserved, step, tokens) == ("", "", one.reason, "")
+            continue
+        plan = one.plan
+        assert dp_tp == f"{plan.dp} x {plan.layout.tp}"
+        assert micro_acc == f"{plan.layout.micro_batch_size} x {plan.accumulation}"
+        assert (peak, reserved) == (format_bytes(plan.peak["Total"]), format_bytes(plan.reserved_bytes))
+        assert step.endswith(" ms") and tokens == f"{plan.time.tokens_per_s_per_gpu:,.0f}"
+    assert [row[7] for row in rows] == ["yes", "yes", "no", "no", "no"]  # fitting first
+    below = lines[next(i for i, line in enumerate(lines) if line.startswith("└")) + 1 :]
+    assert " ".join(" ".join(below).split()) == "fastest that fits: " + tried[0].plan.command(flags)
+    console.print(search_table([one for one in tried if not one.fits], flags))
+    assert console.export_text().rstrip().endswith("no layout fits")
 
 
 @pytest.mark.parametrize(
