@@ -90,7 +90,9 @@ def _mutant_test_order(mutant: str) -> Any:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     mutant = os.environ.get("MUTANT_UNDER_TEST", "")
-    if mutant == "stats" and report.when == "call" and "PYTEST_XDIST_WORKER" in os.environ:
+    # every test's time, a skipped one's too: mutmut records again, one by one, each test it has no time of
+    recorded = report.when == "call" or report.skipped
+    if mutant == "stats" and recorded and "PYTEST_XDIST_WORKER" in os.environ:
         with (PROCESS_HITS / "durations").open("a") as durations:  # for tests/mutation_run.py
             durations.write(f"{report.nodeid}\t{report.duration}\n")
     if report.failed and "__mutmut_" in mutant:

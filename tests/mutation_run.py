@@ -66,18 +66,23 @@ def generate_mutants() -> None:
     create_mutants(os.cpu_count() or 2)
 
 
-def record_stats_in_parallel(workers: int) -> None:
+def record_stats_in_parallel(workers: int, test_files: list[str] | None = None) -> None:
     """mutmut's record of which tests reach which function, made by every test once on ``workers``
-    pytest-xdist processes (mutmut's own is one process: half an hour for this suite, twice this).
+    pytest-xdist processes (mutmut's own is one process: half an hour for this suite, twice this);
+    with ``test_files``, by their tests only, added to the record there is.
 
     The workers and the processes they start record through tests/mutation_hooks/sitecustomize.py,
     each hit with the test that made it; their files are read here into mutmut's state and saved as
     its own stats run would save them. A test that fails ends it: mutants checked against a failing
-    test would all count as killed."""
+    test would all count as killed. (mutmut would record the tests of changed files itself, in one
+    process, where its output is lost when a test fails.)"""
     from mutmut.__main__ import _refresh_change_detection_baseline
     from mutmut.configuration import config
     from mutmut.state import state
-    from mutmut.stats import save_stats
+    from mutmut.stats import load_stats, save_stats
+
+    if test_files:
+        load_stats()
 
     hits = MUTANTS / "process-hits"
     shutil.rmtree(hits, ignore_errors=True)
@@ -96,7 +101,7 @@ def record_stats_in_parallel(workers: int) -> None:
         "-p",
         "no:randomly",
     ]
-    command += [*config().pytest_add_cli_args_test_selection, *config().pytest_add_cli_args]
+    command += [*(test_files or config().pytest_add_cli_args_test_selection), *config().pytest_add_cli_args]
     started = time.monotonic()
     if subprocess.call(command, cwd=MUTANTS, env=env):
         raise SystemExit("a test failed while mutmut recorded which tests reach what (above): fix it first")
@@ -108,8 +113,9 @@ def record_stats_in_parallel(workers: int) -> None:
     for line in (hits / "durations").read_text().splitlines():
         test, _, seconds = line.partition("\t")
         state().duration_by_test[test] = float(seconds)
-    state().stats_time = time.monotonic() - started
-    _refresh_change_detection_baseline()
+    if not test_files:  # the whole record: mutmut's baseline of what it was made from
+        state().stats_time = time.monotonic() - started
+        _refresh_change_detection_baseline()
     save_stats()
     shutil.rmtree(hits)
 
@@ -244,11 +250,12 @@ def listed_equivalents() -> set[str]:
     return report.equivalent_mutants(report.EQUIVALENT_TXT.read_text())
 
 
-def invalidate_changed_tests() -> None:
+def invalidate_changed_tests() -> list[str]:
     """Apply the changes of tests/ since the last run to mutmut's record and results (see the module);
     and check every survivor again that mutation_equivalent.txt does not list: a test written for it
-    may be new, and mutmut checks a mutant once."""
+    may be new, and mutmut checks a mutant once. Returns the test files to record again."""
     new = hashes_of_test_files(ROOT / "tests")
+    changed: set[str] = set()
     if TEST_HASHES.is_file() and STATS.is_file():
         changed = changed_test_files(json.loads(TEST_HASHES.read_text()), new)
         stats = json.loads(STATS.read_text())
@@ -257,8 +264,7 @@ def invalidate_changed_tests() -> None:
         rule = check_again(reached, changed, killers_of_mutants(KILLERS), listed_equivalents())
         again = uncheck(MUTANTS, rule)
         print(f"{len(changed)} test files changed; {again} mutants (their kills, and survivors) run again")
-    MUTANTS.mkdir(exist_ok=True)
-    TEST_HASHES.write_text(json.dumps(new, indent=1))
+    return sorted(path for path in changed if path in new and Path(path).name.startswith("test_"))
 
 
 def main() -> int:
@@ -270,13 +276,17 @@ def main() -> int:
     os.chdir(ROOT)  # mutmut reads pyproject.toml and writes mutants/ here
     if args.full:
         shutil.rmtree(MUTANTS, ignore_errors=True)
-    invalidate_changed_tests()
+    record_again = invalidate_changed_tests()
     names = []
     recorded = STATS.is_file() and json.loads(STATS.read_text())["duration_by_test"]
-    if args.patterns or not recorded:
-        generate_mutants()
+    if args.patterns or not recorded or record_again:
+        generate_mutants()  # the mutated copy, its tests as they are now
     if not recorded:  # none yet, or emptied by a change to a helper of every test (tests/conftest.py)
         record_stats_in_parallel(args.workers)
+    elif record_again:
+        record_stats_in_parallel(args.workers, record_again)
+    # Saved once the record holds them: a run stopped before sees the same changes next time.
+    TEST_HASHES.write_text(json.dumps(hashes_of_test_files(ROOT / "tests"), indent=1))
     if args.patterns:
         # mutmut runs every mutant a pattern names again, checked or not: name the unchecked ones.
         names = not_checked(args.patterns, MUTANTS)
