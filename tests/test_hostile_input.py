@@ -112,6 +112,7 @@ def cli_run(tmp_path, monkeypatch):
         (["--config", "broken.yaml"], ["config='broken.yaml': is not valid YAML at line 2"]),
         (["--max-grad-norm", "1e400"], ["max_grad_norm=inf: must be a positive finite number"]),
         (["--out", "x" * 5000], ["out_dir='xxxxx", "(5,002 characters)"]),
+        (["--out", f"a_file/{'deep/' * 30}run"], [f"out_dir='a_file/{'deep/' * 30}run': is inside a_file,"]),
         (["--resume", "a\nb"], ["checkpoint a\\nb does not exist"]),
         (["--cache", "a\x00b"], ["cache='a\\x00b': contains a NUL character"]),
     ],

@@ -23,8 +23,9 @@ class ConfigError(LeantrainError, ValueError):
         super().__init__(f"invalid {field}={_shortened(repr(value))}: {allowed}")
 
 
-# A value longer than this is cut in the message: the line must stay one readable line.
-SHOWN_VALUE_CHARS = 80
+# A value longer than this is cut in the message: the line must stay one readable line. Long enough
+# for the paths of real folders (a run folder under a cluster's scratch space) to be named whole.
+SHOWN_VALUE_CHARS = 200
 
 
 def _shortened(text: str) -> str:
