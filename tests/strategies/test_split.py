@@ -182,3 +182,8 @@ def test_without_a_device_map_the_error_shows_the_empty_value_given(use) -> None
     assert str(caught.value) == (
         "invalid device_map='': needs two or more comma-separated devices, e.g. cuda:0,cuda:1"
     )
+
+
+def test_the_inputs_start_on_the_first_device_of_the_map() -> None:
+    assert Split.input_device(lt.TrainConfig(strategy="split", device_map="cpu:0,cpu"), CPU) == CPU0
+    assert Split.input_device(lt.TrainConfig(strategy="split", device_map="cpu,cpu:0"), CPU) == CPU
