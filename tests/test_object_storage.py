@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +24,7 @@ from safetensors.torch import load, load_file
 
 from leantrain import TrainConfig, cli, remote
 from leantrain.errors import StorageError
-from leantrain.run.mirror import MirroredCheckpoints, default_staging
+from leantrain.run.mirror import MirroredCheckpoints, default_staging, exported
 from leantrain.trainer import Trainer
 from tests.conftest import RegressionTask
 from tests.distributed.conftest import REPO, launch_here, worker_env
@@ -94,7 +95,8 @@ def test_a_run_at_a_url_resumes_on_another_machine_as_the_uninterrupted_run(tmp_
     assert all(torch.equal(weights_at(s3, "exports/step6.safetensors")[n], t) for n, t in at_step_6.items())
     # to a folder at the URL: its files go there, and the line says which file holds the weights
     capsys.readouterr()
-    assert cli.main(["export", f"{url}/checkpoints/step-00000006.pt", f"s3://{BUCKET}/exports/step6/"]) == 0
+    checkpoint = f"{url}/checkpoints/step-00000006.pt/"  # a trailing slash typed after the name is read past
+    assert cli.main(["export", checkpoint, f"s3://{BUCKET}/exports/step6/"]) == 0
     assert capsys.readouterr().out.split() == ["wrote", f"s3://{BUCKET}/exports/step6/model.safetensors"]
     assert objects(s3, "exports/step6") == ["model.safetensors"]
     in_folder = weights_at(s3, "exports/step6/model.safetensors")
@@ -329,3 +331,17 @@ def test_the_checkpoints_of_a_run_at_a_url_are_its_complete_ones_oldest_first(tm
     saved = checkpoints.files()
     assert saved == [tmp_path / "checkpoints" / f"step-0000000{step}.pt" for step in (2, 6)]
     assert checkpoints.describe(saved[-1]) == f"{url}/checkpoints/step-00000006.pt"
+
+
+def test_an_export_that_writes_a_folder_to_a_url_uploads_its_files_and_names_the_folder(tmp_path, s3):
+    """`--format transformers` writes a folder: every file of it goes to the URL, which the line names."""
+
+    def write_folder(source: Path, out: Path) -> Path:
+        (out / "config.json").write_text("{}")
+        (out / "weights").mkdir()
+        (out / "weights" / "model.safetensors").write_bytes(b"weights")
+        return out
+
+    url = f"s3://{BUCKET}/exports/folder"
+    assert exported(str(tmp_path / "step-00000001.pt"), url, write_folder) == url
+    assert objects(s3, "exports/folder") == ["config.json", "weights/model.safetensors"]

@@ -380,9 +380,14 @@ def test_a_marks_file_is_believed_only_when_it_is_small_about_this_run_and_a_ste
     assert read_mark(path, "r1") == step
 
 
-@pytest.mark.parametrize(("attach", "run_key"), [("moved-here", "moved-here"), (None, "saved-key")])
+@pytest.mark.parametrize(
+    ("attach", "run_key"),
+    [("moved-here", "moved-here"), (None, "saved-key"), ("(no attribute)", "saved-key")],
+)
 def test_a_resumed_tracker_continues_the_run_the_environment_names_else_the_checkpoints(attach, run_key):
-    tracker = SimpleNamespace(name="wandb", where="fake", attach=attach)
+    tracker = SimpleNamespace(name="wandb", where="fake")
+    if attach != "(no attribute)":  # read with a default: a tracker may leave it out
+        tracker.attach = attach
     callback = TrackerCallback(tracker, {}, print, timeout=5)
     callback.load_state_dict({"run_key": "saved-key"})
     assert callback.run_key == run_key and callback.resumed
