@@ -95,8 +95,7 @@ def test_a_run_at_a_url_resumes_on_another_machine_as_the_uninterrupted_run(tmp_
     assert all(torch.equal(weights_at(s3, "exports/step6.safetensors")[n], t) for n, t in at_step_6.items())
     # to a folder at the URL: its files go there, and the line says which file holds the weights
     capsys.readouterr()
-    checkpoint = f"{url}/checkpoints/step-00000006.pt/"  # a trailing slash typed after the name is read past
-    assert cli.main(["export", checkpoint, f"s3://{BUCKET}/exports/step6/"]) == 0
+    assert cli.main(["export", f"{url}/checkpoints/step-00000006.pt", f"s3://{BUCKET}/exports/step6/"]) == 0
     assert capsys.readouterr().out.split() == ["wrote", f"s3://{BUCKET}/exports/step6/model.safetensors"]
     assert objects(s3, "exports/step6") == ["model.safetensors"]
     in_folder = weights_at(s3, "exports/step6/model.safetensors")
@@ -175,8 +174,8 @@ def test_a_garbled_manifest_is_skipped_with_a_warning(tmp_path, s3, capsys, mani
 
 def test_fsdp_shards_go_to_the_url_from_two_processes_and_come_back(tmp_path, s3, capsys):
     """Each rank writes its shards to the URL; the run resumes from them in place (resume auto, another
-    machine) and a branch reads them by the checkpoint's URL, both as one process (gathered: the
-    2-process resume is tests/distributed/test_fsdp.py's, on the same reading code)."""
+    machine) and a branch reads them by the checkpoint's URL (typed with a trailing slash), both as one
+    process (gathered: the 2-process resume is tests/distributed/test_fsdp.py's, on the same reading code)."""
     from tests.distributed.tasks import sum_task
 
     url = f"s3://{BUCKET}/sharded"
@@ -193,7 +192,7 @@ def test_fsdp_shards_go_to_the_url_from_two_processes_and_come_back(tmp_path, s3
     expected = load_file(one.out_dir / "model.safetensors")
     resumed = TrainConfig(out_dir=url, staging_dir=str(tmp_path / "b"), resume="auto", **settings)
     branch = TrainConfig(out_dir=f"s3://{BUCKET}/branch", staging_dir=str(tmp_path / "c"),
-                         resume=f"{url}/checkpoints/step-00000004.pt", **settings)  # fmt: skip
+                         resume=f"{url}/checkpoints/step-00000004.pt/", **settings)  # fmt: skip
     for config, key in ((resumed, "sharded"), (branch, "branch")):
         capsys.readouterr()
         Trainer(config).fit(sum_task())
