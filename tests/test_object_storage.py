@@ -199,6 +199,8 @@ def test_fsdp_shards_go_to_the_url_from_two_processes_and_come_back(tmp_path, s3
         assert "resumed after step 4" in capsys.readouterr().out, key  # same weights if it started afresh
         weights = weights_at(s3, f"{key}/model.safetensors")
         assert all(float((weights[name] - expected[name]).abs().max()) <= 1e-10 for name in expected), key
+    # the branch fetched that checkpoint and its shards, not the other checkpoints beside them
+    assert not [path for path in (tmp_path / "c").rglob("*step-00000002*")]
 
 
 def test_a_bucket_that_does_not_exist_is_one_line_and_nothing_trains(tmp_path, s3, capsys):

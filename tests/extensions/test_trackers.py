@@ -81,6 +81,26 @@ def test_a_resumed_mlflow_run_continues_its_own_run_not_the_experiments_latest(t
         assert steps == csv_steps(tmp_path / name, "train_loss") == [2, 4, 6, 8], name
 
 
+def test_a_continued_mlflow_run_runs_again_and_one_made_at_a_resume_gets_the_config(tmp_path):
+    """Opening the MLflow run of a resumed leantrain run: a killed one is set running again (its
+    parameters kept); none of its key yet (the first part logged nowhere), one is made with them."""
+    pytest.importorskip("mlflow")
+    from leantrain.extensions.mlflow_tracker import MLflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first = MLflowTracker(uri, tmp_path / "run", 10)
+    first.start({"lr": 0.1}, "key-1", resumed=False)
+    first.finish(None)
+    client, [killed] = mlflow_run(uri)
+    assert killed.info.status == "KILLED"
+    again = MLflowTracker(uri, tmp_path / "run", 10)
+    again.start({"lr": 0.1}, "key-1", resumed=True)
+    assert again.run_id == killed.info.run_id and client.get_run(again.run_id).info.status == "RUNNING"
+    made = MLflowTracker(uri, tmp_path / "other", 10)
+    made.start({"lr": 0.2}, "key-2", resumed=True)
+    assert made.run_id != killed.info.run_id and client.get_run(made.run_id).data.params == {"lr": "0.2"}
+
+
 def test_a_tracker_that_fails_mid_run_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     from leantrain.extensions.mlflow_tracker import MLflowTracker
