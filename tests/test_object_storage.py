@@ -120,6 +120,10 @@ def test_a_second_run_on_the_same_url_is_refused_in_one_line(tmp_path, s3, capsy
     error = capsys.readouterr().err.strip()
     assert error == f"leantrain: error: out_dir {url} already holds a run (metrics.csv); continue it with " \
         "--resume auto or choose another out_dir"  # fmt: skip
+    # its checkpoints alone (the run's files lost) still say it holds a run
+    s3.rm([f"{BUCKET}/taken/{name}" for name in ("metrics.csv", "summary.json")])
+    assert cli.main(["fit", *flags]) == 2
+    assert "already holds a run (checkpoints); continue it with --resume auto" in capsys.readouterr().err
 
 
 # The process dies (os._exit: no handler, no clean-up) right after this upload, before the manifest.

@@ -81,7 +81,7 @@ def test_a_resumed_mlflow_run_continues_its_own_run_not_the_experiments_latest(t
         assert steps == csv_steps(tmp_path / name, "train_loss") == [2, 4, 6, 8], name
 
 
-def test_a_continued_mlflow_run_runs_again_and_one_made_at_a_resume_gets_the_config(tmp_path):
+def test_a_continued_mlflow_run_runs_again_and_one_made_at_a_resume_gets_the_config(tmp_path, monkeypatch):
     """Opening the MLflow run of a resumed leantrain run: a killed one is set running again (its
     parameters kept); none of its key yet (the first part logged nowhere), one is made with them."""
     pytest.importorskip("mlflow")
@@ -99,6 +99,12 @@ def test_a_continued_mlflow_run_runs_again_and_one_made_at_a_resume_gets_the_con
     made = MLflowTracker(uri, tmp_path / "other", 10)
     made.start({"lr": 0.2}, "key-2", resumed=True)
     assert made.run_id != killed.info.run_id and client.get_run(made.run_id).data.params == {"lr": "0.2"}
+    # a run of the user's own, named by MLFLOW_RUN_ID: it gets the key's tag, to be found by it again
+    theirs = client.create_run(killed.info.experiment_id).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", theirs)
+    attached = MLflowTracker(uri, tmp_path / "third", 10)
+    attached.start({"lr": 0.3}, "key-3", resumed=False)
+    assert attached.run_id == theirs and client.get_run(theirs).data.tags["leantrain.run_key"] == "key-3"
 
 
 def test_a_tracker_that_fails_mid_run_warns_once_and_training_goes_on(tmp_path, monkeypatch):
