@@ -40,3 +40,11 @@ def test_uneven_validation_shares_validate_as_one_process(tmp_path, one_process,
     assert sorted(two) == sorted(one_process) == ["val_abs_error", "val_loss"]
     for name, value in one_process.items():
         assert abs(two[name] - value) <= 1e-12, (name, two[name], value)
+
+
+def test_a_process_with_no_validation_batch_still_checks_the_watched_metrics_name(tmp_path):
+    """The name check before training runs one validation batch through the strategy on every process:
+    one with none runs a spare (the bug: the run fails at the start on that process)."""
+    flags = [*FIT, "--task", "tests.distributed.tasks:OneValidationSample", "--max-steps", "1"]
+    trained_weights(tmp_path, [*flags, "--strategy", "fsdp"], processes=2)
+    assert sorted(validation(tmp_path)) == ["val_abs_error", "val_loss"]
