@@ -233,13 +233,6 @@ class UnevenValidation(DeepRegression):
         return {"abs_error": (model(x) - y).abs().mean()}
 
 
-class OneValidationSample(UnevenValidation):
-    """UnevenValidation with 1 validation sample: on 2 processes, the second has no validation batch."""
-
-    def val_data(self):
-        return torch.utils.data.TensorDataset(self.x[:1], self.y[:1], self.mask[:1])
-
-
 class TinyLlamaLoRA:
     """transformers' LlamaForCausalLM (2 layers, width 32, from a config) with peft LoRA adapters
     (r=8) on q_proj and v_proj, on the pydoc text's bytes; ``dtype`` for the model and its loss.

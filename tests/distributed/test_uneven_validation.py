@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.distributed.conftest import trained_weights
+from tests.distributed.tasks import UnevenValidation
 
 # Watching a metric other than val_loss checks its name before training, on one validation batch
 # through the strategy (a sharded forward; a pipeline's stages): the runs below do that too.
@@ -42,9 +44,22 @@ def test_uneven_validation_shares_validate_as_one_process(tmp_path, one_process,
         assert abs(two[name] - value) <= 1e-12, (name, two[name], value)
 
 
+class OneValidationSample(UnevenValidation):
+    """UnevenValidation with 1 validation sample: on 2 processes, the second has no validation batch."""
+
+    def val_data(self):
+        return torch.utils.data.TensorDataset(self.x[:1], self.y[:1], self.mask[:1])
+
+
 def test_a_process_with_no_validation_batch_still_checks_the_watched_metrics_name(tmp_path):
     """The name check before training runs one validation batch through the strategy on every process:
     one with none runs a spare (the bug: the run fails at the start on that process)."""
-    flags = [*FIT, "--task", "tests.distributed.tasks:OneValidationSample", "--max-steps", "1"]
+    flags = [
+        *FIT,
+        "--task",
+        "tests.distributed.test_uneven_validation:OneValidationSample",
+        "--max-steps",
+        "1",
+    ]
     trained_weights(tmp_path, [*flags, "--strategy", "fsdp"], processes=2)
     assert sorted(validation(tmp_path)) == ["val_abs_error", "val_loss"]
