@@ -391,3 +391,17 @@ def test_a_resumed_tracker_continues_the_run_the_environment_names_else_the_chec
     callback = TrackerCallback(tracker, {}, print, timeout=5)
     callback.load_state_dict({"run_key": "saved-key"})
     assert callback.run_key == run_key and callback.resumed
+
+
+def test_the_marks_file_is_written_once_a_step_not_once_a_row(tmp_path, monkeypatch):
+    """A step's training row and its validation row reach the tracker one after the other: the step is
+    marked before the first, and the file is not written again for the second."""
+    from leantrain.extensions import trackers
+
+    written = []
+    monkeypatch.setattr(trackers, "write_mark", lambda path, key, step: written.append(step))
+    tracker = SimpleNamespace(name="wandb", where="fake", attach=None, log=lambda step, row: None)
+    callback = TrackerCallback(tracker, {}, print, timeout=5, marks=tmp_path / "wandb.json")
+    for step, row in [(2, {"train_loss": 1.0}), (2, {"val_loss": 2.0}), (4, {"train_loss": 0.5})]:
+        callback._deliver(step, row)  # what the tracker's thread does with each row it takes
+    assert written == [2, 4]
