@@ -111,9 +111,15 @@ def test_layouts_cover_the_strategies_tp_degrees_policies_and_micro_batches():
     assert all([c.micro_batch_size for c in g] == sorted(c.micro_batch_size for c in g) for g in groups)
 
 
-def searched(monkeypatch) -> tuple[list[Tried], list[TrainConfig]]:
+@pytest.fixture(scope="module")
+def searched() -> tuple[list[Tried], list[TrainConfig]]:
     """The search over ddp layouts on 2 GPUs of 1 GiB, as though micro-batches from 2 did not fit; what
-    it tried, and the layouts it simulated."""
+    it tried, and the layouts it simulated (once for the tests that read it: it takes seconds)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return _searched(monkeypatch)
+
+
+def _searched(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Tried], list[TrainConfig]]:
     cluster = parse_cluster("1x2x1GiB")
     real_plan = plan_cluster
     simulated = []
@@ -131,8 +137,8 @@ def searched(monkeypatch) -> tuple[list[Tried], list[TrainConfig]]:
     return search(tiny_charlm(), cfg, cluster), simulated
 
 
-def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_the_fastest_first(monkeypatch):
-    tried, simulated = searched(monkeypatch)
+def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_the_fastest_first(searched):
+    tried, simulated = searched
     # tp 1 (micro 1, 2, 4) and tp 2 (micro 1, 2, 4, 8), x 3 policies: 21 layouts. Simulated: each tp's
     # micro 1 without recomputation (it fits: the recomputed ones are not tried) and micro 2 with each.
     assert len(tried) == 21
@@ -151,9 +157,9 @@ def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_t
 
 
 def test_the_search_table_shows_each_layout_tried_fitting_fastest_first_and_the_line_to_launch_the_best(
-    monkeypatch,
+    searched,
 ):
-    tried, _ = searched(monkeypatch)
+    tried, _ = searched
     flags = ["--task", TASK, "--global-batch-size", "8"]
     console = Console(record=True, width=250)
     console.print(search_table(tried, flags, shown=5))
