@@ -229,3 +229,16 @@ class StreamSource(PackedSources):
                 return iter(documents)
 
         return lt.Mixture({"web": Stream(), "code": self.documents["code"]}, weights={"web": 1, "code": 1})
+
+
+def test_iterating_a_mixture_looks_at_its_sources_items_in_turn():
+    """Not the run's order (fit draws by weight): a look at the items, each source's in turn until
+    each ends."""
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter([(torch.tensor([10]),), (torch.tensor([11]),)])
+
+    table = TensorDataset(torch.tensor([[0], [1], [2]]))
+    mixture = lt.Mixture({"table": table, "stream": Stream()}, weights={"table": 1, "stream": 1})
+    assert [item.item() for (item,) in mixture] == [0, 10, 1, 11, 2]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -209,3 +211,23 @@ def test_a_non_finite_step_the_doctor_ran_is_named_in_its_report(tmp_path: Path)
     console = Console(record=True, width=400)
     print_report(d, console)
     assert f"non-finite step: {d.nan_origin}" in console.export_text()
+
+
+def test_the_doctor_is_imported_on_first_use_not_with_its_package():
+    """`leantrain.diagnose` (its probe's defaults, the checks a hand-written loop uses) loads without
+    the training loop; `Diagnosis` and `run_doctor` come from the doctor when asked for."""
+    code = (
+        "import sys, leantrain.diagnose as d\n"
+        "print('leantrain.trainer' in sys.modules, 'leantrain.diagnose.doctor' in sys.modules)\n"
+        "from leantrain.diagnose import doctor\n"
+        "print(d.run_doctor is doctor.run_doctor, d.Diagnosis is doctor.Diagnosis)\n"
+        "try:\n    d.nope\nexcept AttributeError as error:\n    print(error)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.splitlines() == [
+        "False False",
+        "True True",
+        "module 'leantrain.diagnose' has no attribute 'nope'",
+    ]

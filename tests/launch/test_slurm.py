@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from leantrain.errors import LeantrainError
-from leantrain.launch.slurm import SlurmOptions, sbatch_script
+from leantrain.launch.slurm import SlurmOptions, sbatch_script, submit
 from tests.conftest import python_path
 
 LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
@@ -118,6 +118,42 @@ def fake_slurm_commands(folder: Path) -> None:
         path = folder / name
         path.write_text("#!/bin/bash\n" + body)
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def fake_sbatch(folder: Path, body: str) -> None:
+    path = folder / "sbatch"
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def test_submit_hands_sbatch_the_script_and_returns_the_job_id(tmp_path, monkeypatch):
+    """The run folder is made first (SLURM writes the job's output there and makes no folder), the
+    script goes to sbatch --parsable as a file, removed after, and the id is read from its answer."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    seen = tmp_path / "seen"
+    fake_sbatch(bin_dir, f'echo "$1 $2" > {seen}; cat "$2" >> {seen}; echo "4242;cluster-a"\n')
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    run_dir = tmp_path / "runs" / "a"
+    assert submit("#!/bin/bash\necho job\n", run_dir) == "4242"
+    assert run_dir.is_dir()
+    flag, script = seen.read_text().splitlines()[0].split()
+    assert flag == "--parsable" and script.endswith(".sbatch") and not Path(script).exists()
+    assert seen.read_text().splitlines()[1:] == ["#!/bin/bash", "echo job"]
+
+
+def test_a_refused_or_missing_sbatch_is_one_line(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_sbatch(bin_dir, 'echo "sbatch: error: invalid partition" >&2; echo "  specified" >&2; exit 1\n')
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    with pytest.raises(LeantrainError, match=r"^sbatch failed: sbatch: error: invalid partition specified$"):
+        submit("#!/bin/bash\n", tmp_path / "run")
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    with pytest.raises(
+        LeantrainError, match=r"^sbatch is not installed here; use --dry-run to print the script$"
+    ):
+        submit("#!/bin/bash\n", tmp_path / "run")
 
 
 def free_port() -> int:
