@@ -405,3 +405,13 @@ def test_the_marks_file_is_written_once_a_step_not_once_a_row(tmp_path, monkeypa
     for step, row in [(2, {"train_loss": 1.0}), (2, {"val_loss": 2.0}), (4, {"train_loss": 0.5})]:
         callback._deliver(step, row)  # what the tracker's thread does with each row it takes
     assert written == [2, 4]
+
+
+def test_the_log_line_of_a_tracker_says_where_it_logs_when_it_has_no_description():
+    plain = SimpleNamespace(name="mlflow", where="http://tracking:5000", attach=None)
+    assert TrackerCallback(plain, {}, print, timeout=5).setup_lines() == [
+        "logger mlflow: http://tracking:5000"
+    ]
+    plain.describe = "http://tracking:5000 (MLFLOW_TRACKING_URI)"
+    said = TrackerCallback(plain, {}, print, timeout=5).setup_lines()
+    assert said == ["logger mlflow: http://tracking:5000 (MLFLOW_TRACKING_URI)"]
