@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 import leantrain as lt
-from leantrain.extensions.trackers import MARKS, TrackerCallback, read_mark
+from leantrain.extensions.trackers import MARKS, TrackerCallback, read_mark, write_mark
 from tests.conftest import TinyClassifier, quiet_config
 from tests.extensions.test_trackers import wandb_records
 from tests.test_resume import StopAt
@@ -415,3 +415,50 @@ def test_the_log_line_of_a_tracker_says_where_it_logs_when_it_has_no_description
     plain.describe = "http://tracking:5000 (MLFLOW_TRACKING_URI)"
     said = TrackerCallback(plain, {}, print, timeout=5).setup_lines()
     assert said == ["logger mlflow: http://tracking:5000 (MLFLOW_TRACKING_URI)"]
+
+
+class Recording:
+    """A tracker that takes every call at once; ``held``: the last step its run already holds."""
+
+    def __init__(self, held: int | None = None, gate: threading.Event | None = None) -> None:
+        self.name, self.where, self.attach, self.held, self.gate = "wandb", "fake", None, held, gate
+        self.logged: list[int] = []
+        self.finished = False
+
+    def start(self, params, run_key, resumed):
+        if self.gate is not None:
+            self.gate.wait(30)
+        return self.held
+
+    def log(self, step, metrics) -> None:
+        self.logged.append(step)
+
+    def finish(self, summary) -> None:
+        self.finished = True
+
+
+def test_the_calls_run_on_a_named_daemon_thread_and_a_run_delivered_in_full_says_nothing():
+    gate = threading.Event()
+    said: list[str] = []
+    tracker = Recording(gate=gate)
+    callback = TrackerCallback(tracker, {}, said.append, timeout=30)
+    callback.on_log(1, {"train_loss": 1.0})
+    try:
+        named = [t for t in threading.enumerate() if t.name == "leantrain-wandb"]  # waiting in start
+    finally:  # the thread ends either way: a failing test must not hold the test process at exit
+        gate.set()
+        callback.on_end({"steps": 1})
+    assert len(named) == 1 and named[0].daemon  # a tracker that never answers cannot hold the process
+    assert tracker.logged == [1] and tracker.finished and said == []
+
+
+def test_a_resumed_tracker_resends_from_the_later_of_its_marks_file_and_its_runs_own_record(tmp_path):
+    marks = tmp_path / "wandb.json"
+    write_mark(marks, "key", 8)
+    tracker = Recording(held=6)  # the run's own record lags the marks file
+    callback = TrackerCallback(tracker, {}, print, timeout=30, marks=marks)
+    callback.load_state_dict({"run_key": "key"})
+    for step in range(5, 11):
+        callback.on_log(step, {"train_loss": 1.0})
+    callback.on_end({"steps": 10})
+    assert tracker.logged == [9, 10] and callback.not_resent == 4
