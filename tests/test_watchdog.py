@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -16,7 +17,14 @@ import pytest
 from leantrain.config import TrainConfig
 from leantrain.errors import ConfigError
 from leantrain.run import watchdog as watchdog_module
-from leantrain.run.watchdog import HANG_EXIT_CODE, Heartbeat, Watchdog, describe, process_group_timeout
+from leantrain.run.watchdog import (
+    HANG_EXIT_CODE,
+    Heartbeat,
+    Watchdog,
+    describe,
+    process_group_timeout,
+    stuck_at,
+)
 from tests.conftest import python_path
 
 LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
@@ -46,14 +54,18 @@ def test_a_stalled_thread_is_reported_with_its_file_line_step_and_stacks(tmp_pat
     codes, said = watch(tmp_path, work)
     line = inspect.getsourcelines(stuck)[1] + 1
     assert codes == [HANG_EXIT_CODE]
+    seconds = said[0].split()[3]
     assert said == [
-        f"no progress for {said[0].split()[3]} s at step 7: stuck at {__file__}:{line} in stuck; every "
+        f"no progress for {seconds} s at step 7: stuck at {__file__}:{line} in stuck; every "
         f"rank's stacks are in {tmp_path / 'hang'}"
     ]
-    stacks = (tmp_path / "hang" / "rank0.txt").read_text()
     assert (
-        stacks.startswith("rank 0: no progress for") and f'File "{__file__}", line {line} in stuck' in stacks
-    )
+        0 <= float(seconds) <= 60
+    )  # the time since the last progress (1.5 s at most, on a busy machine more)
+    stacks = (tmp_path / "hang" / "rank0.txt").read_text()
+    header = stacks.splitlines()[0]
+    assert re.fullmatch(r"rank 0: no progress for \d+\.\d s at step 7", header), header
+    assert float(header.split()[5]) <= 60 and f'File "{__file__}", line {line} in stuck' in stacks
 
 
 def test_progress_keeps_the_watchdog_quiet(tmp_path):
@@ -88,6 +100,43 @@ def test_a_zero_timeout_starts_no_thread(tmp_path):
     assert process_group_timeout(30) == timedelta(
         seconds=30 + 120
     )  # docs/distributed.md: the watchdog speaks first
+
+
+def test_stacks_that_cannot_be_written_are_one_line_and_the_report_goes_on(tmp_path, capsys):
+    (tmp_path / "run").write_text("")  # the run folder is a file: hang/ cannot be made in it
+    watchdog = Watchdog(1, Heartbeat(), tmp_path / "run", 0, 1, None, print, exit=pytest.fail)
+    assert watchdog._write_stacks(2.0) == tmp_path / "run" / "hang" / "rank0.txt"
+    error = capsys.readouterr().err
+    assert error == f"leantrain: could not write {tmp_path / 'run' / 'hang' / 'rank0.txt'}: Not a directory\n"
+    assert stuck_at(None) == "an unknown place (the thread has no Python frame)"
+
+
+class Clock:
+    """``time`` for the watchdog: ``sleep`` moves ``monotonic`` on, at once."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now = round(self.now + seconds, 9)
+
+
+@pytest.mark.parametrize(("timeout", "waited"), [(0.1, 0.4), (1.0, 1.0), (9.0, 5.0)])
+def test_a_rank_waits_for_the_others_reports_its_timeout_within_the_bounds(
+    monkeypatch, tmp_path, timeout, waited
+):
+    """Looked for every 0.2 s, for the hang timeout, but at least and at most the bounds (here 0.4 and
+    5 s): long enough for the others to write theirs, short enough for the run to end."""
+    clock = Clock()
+    monkeypatch.setattr(watchdog_module, "time", clock)
+    monkeypatch.setattr(watchdog_module, "_GATHER_SECONDS", (0.4, 5.0))
+    rank_1 = Watchdog(timeout, Heartbeat(), tmp_path, 1, 2, StoreOfTwo(), print, exit=pytest.fail)
+    mine = {"count": 3, "where": "a.py:1 in f"}
+    assert rank_1._gather(mine) == {0: None, 1: mine}  # rank 0 never reported
+    assert clock.now == waited
 
 
 class StoreOfTwo:

@@ -134,7 +134,7 @@ class Watchdog:
         stalled = time.monotonic() - self.heartbeat.last
         where = stuck_at(sys._current_frames().get(self._watched))
         stacks = self._write_stacks(stalled)
-        mine = {"count": self.heartbeat.count, "step": self.heartbeat.step, "where": where}
+        mine = {"count": self.heartbeat.count, "where": where}
         reports = self._gather(mine)
         if min(rank for rank, report in reports.items() if report is not None) != self.rank:
             return  # a lower rank that reported says it (a rank whose Python is stuck cannot)
