@@ -103,6 +103,8 @@ def test_a_continued_mlflow_run_runs_again_and_one_made_at_a_resume_gets_the_con
     theirs = client.create_run(killed.info.experiment_id).info.run_id
     monkeypatch.setenv("MLFLOW_RUN_ID", theirs)
     attached = MLflowTracker(uri, tmp_path / "third", 10)
+    attached.connect()  # tracker_required's check: the run's own experiment
+    assert attached.experiment_id == killed.info.experiment_id
     attached.start({"lr": 0.3}, "key-3", resumed=False)
     assert attached.run_id == theirs and client.get_run(theirs).data.tags["leantrain.run_key"] == "key-3"
 
