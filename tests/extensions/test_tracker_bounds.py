@@ -284,3 +284,29 @@ def test_what_did_not_reach_a_tracker_is_told_in_words_that_agree(unsent, ended,
 
     callback = TrackerCallback(Tracker(), {}, print, timeout=2)
     assert callback._undelivered(unsent, ended, summary) == told
+
+
+def test_mlflows_http_bounds_follow_the_tracker_timeout_and_keep_what_the_user_set(monkeypatch):
+    pytest.importorskip("mlflow")
+    from leantrain.extensions import mlflow_tracker
+
+    monkeypatch.setattr(mlflow_tracker, "_HTTP_SET", {})
+    for name in HTTP_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")  # the user's
+    mlflow_tracker.bound_http_requests(0.4)  # whole seconds, at least 1
+    assert [os.environ[name] for name in HTTP_SETTINGS] == ["1", "5", "1"]
+    mlflow_tracker.bound_http_requests(2.5)  # a later run's bound replaces leantrain's own value
+    assert [os.environ[name] for name in HTTP_SETTINGS] == ["3", "5", "1"]
+
+
+def test_mlflow_logs_into_the_run_folder_when_no_server_is_named(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from leantrain.extensions.mlflow_tracker import MLflowTracker
+
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    tracker = MLflowTracker(None, tmp_path / "run", 5)
+    store = f"sqlite:///{(tmp_path / 'run' / 'mlflow.db').resolve()}"
+    assert tracker.uri == store
+    assert tracker.describe == f"{store} (default: the run folder), experiment leantrain (default)"
