@@ -300,7 +300,7 @@ def test_mlflows_http_bounds_follow_the_tracker_timeout_and_keep_what_the_user_s
     assert [os.environ[name] for name in HTTP_SETTINGS] == ["3", "5", "1"]
 
 
-def test_mlflow_logs_into_the_run_folder_when_no_server_is_named(tmp_path, monkeypatch):
+def test_mlflow_says_where_it_logs_and_what_chose_it(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     from leantrain.extensions.mlflow_tracker import MLflowTracker
 
@@ -310,3 +310,10 @@ def test_mlflow_logs_into_the_run_folder_when_no_server_is_named(tmp_path, monke
     store = f"sqlite:///{(tmp_path / 'run' / 'mlflow.db').resolve()}"
     assert tracker.uri == store
     assert tracker.describe == f"{store} (default: the run folder), experiment leantrain (default)"
+    named = MLflowTracker(f"sqlite:///{tmp_path / 'm.db'}", tmp_path / "run", 5)
+    assert named.describe == f"sqlite:///{tmp_path / 'm.db'} (--mlflow-uri), experiment leantrain (default)"
+    monkeypatch.setenv("MLFLOW_RUN_ID", "abc123")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team")
+    attached = MLflowTracker(None, tmp_path / "run", 5)
+    assert attached.describe == f"{store} (default: the run folder), run abc123 (MLFLOW_RUN_ID)"
+    assert attached.experiment == "team"
