@@ -16,13 +16,14 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
 import leantrain as lt
 from leantrain import cli
 from leantrain.extensions import mlflow_tracker
-from leantrain.extensions.trackers import TrackerCallback
+from leantrain.extensions.trackers import PACKAGES, TrackerCallback
 from tests.conftest import TinyClassifier, quiet_config
 
 RUN = dict(global_batch_size=64, max_steps=8, log_every_n_steps=2)
@@ -317,3 +318,27 @@ def test_mlflow_says_where_it_logs_and_what_chose_it(tmp_path, monkeypatch):
     attached = MLflowTracker(None, tmp_path / "run", 5)
     assert attached.describe == f"{store} (default: the run folder), run abc123 (MLFLOW_RUN_ID)"
     assert attached.experiment == "team"
+
+
+@pytest.mark.parametrize(
+    ("uri", "shown"),
+    [
+        ("https://ann:s3cret@mlflow.example:5000/x", "https://ann:***@mlflow.example:5000/x"),
+        ("https://ann:p@ss@mlflow.example/x", "https://ann:***@mlflow.example/x"),  # an @ in the password
+        ("https://mlflow.example:5000", "https://mlflow.example:5000"),
+    ],
+)
+def test_messages_name_the_mlflow_server_never_its_password(uri, shown):
+    pytest.importorskip("mlflow")
+    from leantrain.extensions.mlflow_tracker import _without_password
+
+    assert _without_password(uri) == shown
+
+
+def test_a_trackers_state_is_saved_under_its_name():
+    """The key in the checkpoint: a later version resumes the checkpoints an earlier one wrote, and two
+    trackers of one run keep their runs apart."""
+    keys = [
+        TrackerCallback(SimpleNamespace(name=name, attach=None), {}, print, 5).state_key for name in PACKAGES
+    ]
+    assert keys == ["tracker:mlflow", "tracker:wandb"]
