@@ -338,7 +338,6 @@ def test_messages_name_the_mlflow_server_never_its_password(uri, shown):
 def test_a_trackers_state_is_saved_under_its_name():
     """The key in the checkpoint: a later version resumes the checkpoints an earlier one wrote, and two
     trackers of one run keep their runs apart."""
-    keys = [
-        TrackerCallback(SimpleNamespace(name=name, attach=None), {}, print, 5).state_key for name in PACKAGES
-    ]
+    trackers = [SimpleNamespace(name=name, where="fake", attach=None) for name in PACKAGES]
+    keys = [TrackerCallback(tracker, {}, print, 5).state_key for tracker in trackers]
     assert keys == ["tracker:mlflow", "tracker:wandb"]
