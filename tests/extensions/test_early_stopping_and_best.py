@@ -225,3 +225,19 @@ def test_a_value_worse_than_the_k_best_asks_for_no_checkpoint_and_the_ranking_re
     resumed = BestCheckpoints(MetricWatch("val_loss", "min", "best_metric"), 2, resumed_folder, lambda: None)
     resumed.load_state_dict(best.state_dict())
     assert (resumed.ranked, resumed_folder.protected) == ([(0.5, 40), (1.0, 10)], {10, 40})
+
+
+@pytest.mark.parametrize(
+    ("mode", "value", "better"),
+    [
+        ("min", 0.5, False),
+        ("min", 0.25, True),
+        ("max", 1.5, False),
+        ("max", 1.75, True),
+        ("max", 0.75, False),
+    ],
+)
+def test_an_improvement_must_exceed_min_delta_not_only_reach_it(mode, value, better):
+    from leantrain.extensions.metric_watch import MetricWatch
+
+    assert MetricWatch("val_loss", mode, "early_stop_metric", min_delta=0.5).better(value, than=1.0) is better

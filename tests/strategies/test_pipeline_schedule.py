@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import ClassVar
 
+import pytest
 import torch
 import torch.distributed.pipelining as pipelining
 from torch import nn
@@ -73,3 +74,11 @@ def test_validations_after_training_keep_its_schedule(monkeypatch):
     validate(pipeline)
     train(pipeline)
     assert [schedule.ran for schedule in RecordingSchedule.made] == [["step", "eval", "step"]]
+
+
+def test_a_model_without_repeated_blocks_cannot_be_cut_into_stages_and_the_error_names_the_field():
+    from leantrain.strategies.pipeline.stages import split_points
+
+    with pytest.raises(lt.ConfigError, match="no ModuleList or Sequential of repeated blocks") as refused:
+        split_points(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), 2)
+    assert refused.value.field == "pipeline_stages"
