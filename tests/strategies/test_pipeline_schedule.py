@@ -82,3 +82,42 @@ def test_a_model_without_repeated_blocks_cannot_be_cut_into_stages_and_the_error
     with pytest.raises(lt.ConfigError, match="no ModuleList or Sequential of repeated blocks") as refused:
         split_points(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), 2)
     assert refused.value.field == "pipeline_stages"
+
+
+class FourBlocks(nn.Module):
+    """Repeated blocks, and an input the model takes by keyword (as transformers' models do)."""
+
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4)) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x if scale is None else x * scale
+
+
+def test_a_traced_model_is_cut_before_the_first_block_of_each_stage():
+    from leantrain.strategies.pipeline.stages import split_points
+
+    assert list(split_points(FourBlocks(), 2)) == ["blocks.2"]
+    assert list(split_points(FourBlocks(2), 2)) == ["blocks.1"]
+    assert list(split_points(FourBlocks(), 4)) == ["blocks.1", "blocks.2", "blocks.3"]
+
+
+def test_a_model_is_traced_with_its_keyword_inputs_and_one_that_cannot_be_is_one_line():
+    from leantrain.strategies.pipeline.stages import traced_pipe
+
+    model, x, scale = FourBlocks(), torch.ones(2, 4), torch.tensor(2.0)
+    pipe = traced_pipe(model, 2, ((x,), {"scale": scale}))
+    assert pipe.num_stages == 2 and torch.allclose(pipe(x, scale=scale)[0], model(x, scale=scale))
+
+    class Branches(FourBlocks):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2 if x.sum() > 0 else super().forward(x)  # data-dependent
+
+    with pytest.raises(lt.ConfigError) as refused:
+        traced_pipe(Branches(), 2, ((x,), {}))
+    message = str(refused.value)
+    assert message.startswith("invalid strategy='pipeline': could not trace the model into stages: ")
+    assert len(message) > 100 and "\n" not in message  # torch's reason, on one line
