@@ -443,12 +443,12 @@ def test_the_calls_run_on_a_named_daemon_thread_and_a_run_delivered_in_full_says
     tracker = Recording(gate=gate)
     callback = TrackerCallback(tracker, {}, said.append, timeout=30)
     callback.on_log(1, {"train_loss": 1.0})
-    try:
-        named = [t for t in threading.enumerate() if t.name == "leantrain-wandb"]  # waiting in start
+    try:  # the callback's thread, waiting in start (another test's thread may bear the same name)
+        thread = next(t for t in threading.enumerate() if t is callback._thread)
     finally:  # the thread ends either way: a failing test must not hold the test process at exit
         gate.set()
         callback.on_end({"steps": 1})
-    assert len(named) == 1 and named[0].daemon  # a tracker that never answers cannot hold the process
+    assert thread.name == "leantrain-wandb" and thread.daemon  # a silent tracker cannot hold the process
     assert tracker.logged == [1] and tracker.finished and said == []
 
 
