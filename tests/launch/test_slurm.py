@@ -15,6 +15,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from leantrain.errors import LeantrainError
+from leantrain.launch import slurm
 from leantrain.launch.slurm import SlurmOptions, sbatch_script, submit
 from tests.conftest import python_path
 
@@ -154,6 +156,22 @@ def test_a_refused_or_missing_sbatch_is_one_line(tmp_path, monkeypatch):
         LeantrainError, match=r"^sbatch is not installed here; use --dry-run to print the script$"
     ):
         submit("#!/bin/bash\n", tmp_path / "run")
+
+
+def test_an_sbatch_that_does_not_answer_is_one_line_within_the_bound(tmp_path, monkeypatch):
+    """slurmctld down: sbatch waits on it. The command ends at the bound, saying the job's state is
+    unknown."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_sbatch(bin_dir, "exec sleep 60\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setattr(slurm, "SBATCH_SECONDS", 1)
+    started = time.monotonic()
+    with pytest.raises(
+        LeantrainError, match=r"^sbatch did not answer within 1 s: the job may or may not be queued"
+    ):
+        submit("#!/bin/bash\n", tmp_path / "run")
+    assert time.monotonic() - started < 30
 
 
 def free_port() -> int:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from leantrain.errors import LeantrainError
 
+# sbatch answers in a second; a slurmctld that does not answer must not hold the command forever.
+SBATCH_SECONDS = 120
 CPUS_PER_GPU = 8  # --cpus-per-task's default with GPUs: loader workers and the host side of each GPU
 
 
@@ -153,10 +155,19 @@ def submit(script: str, run_dir: Path) -> str:
         handle.write(script)
     try:
         done = subprocess.run(
-            ["sbatch", "--parsable", handle.name], capture_output=True, text=True, check=False
+            ["sbatch", "--parsable", handle.name],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=SBATCH_SECONDS,
         )
     except FileNotFoundError:
         raise LeantrainError("sbatch is not installed here; use --dry-run to print the script") from None
+    except subprocess.TimeoutExpired:
+        raise LeantrainError(
+            f"sbatch did not answer within {SBATCH_SECONDS} s: the job may or may not be queued; "
+            "look with squeue before submitting again"
+        ) from None
     finally:
         Path(handle.name).unlink(missing_ok=True)
     if done.returncode != 0:
