@@ -90,9 +90,10 @@ def _mutant_test_order(mutant: str) -> Any:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     mutant = os.environ.get("MUTANT_UNDER_TEST", "")
-    # every test's time, a skipped one's too: mutmut records again, one by one, each test it has no time of
-    recorded = report.when == "call" or report.skipped
-    if mutant == "stats" and recorded and "PYTEST_XDIST_WORKER" in os.environ:
+    # every test's time, a skipped one's too (mutmut records again, one by one, each test it has no time
+    # of), with its setup and teardown: a fixture's work (a search shared by a module's tests) is counted
+    # where its hits are, and a mutant's time limit is made from these times
+    if mutant == "stats" and "PYTEST_XDIST_WORKER" in os.environ:
         with (PROCESS_HITS / "durations").open("a") as durations:  # for tests/mutation_run.py
             durations.write(f"{report.nodeid}\t{report.duration}\n")
     if report.failed and "__mutmut_" in mutant:

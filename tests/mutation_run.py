@@ -110,14 +110,22 @@ def record_stats_in_parallel(workers: int, test_files: list[str] | None = None) 
             test, _, function = line.partition("\t")
             if test:  # not at import, before any test
                 state().tests_by_mangled_function_name[function].add(test)
-    for line in (hits / "durations").read_text().splitlines():
-        test, _, seconds = line.partition("\t")
-        state().duration_by_test[test] = float(seconds)
+    state().duration_by_test.update(seconds_by_test((hits / "durations").read_text()))
     if not test_files:  # the whole record: mutmut's baseline of what it was made from
         state().stats_time = time.monotonic() - started
         _refresh_change_detection_baseline()
     save_stats()
     shutil.rmtree(hits)
+
+
+def seconds_by_test(durations: str) -> dict[str, float]:
+    """Each test's time from the lines tests/mutation_plugin.py writes (``test<TAB>seconds``, one per
+    phase: setup, call, teardown): their sum."""
+    seconds: dict[str, float] = {}
+    for line in durations.splitlines():
+        test, _, phase_seconds = line.partition("\t")
+        seconds[test] = seconds.get(test, 0.0) + float(phase_seconds)
+    return seconds
 
 
 def run_mutmut(names: list[str]) -> None:

@@ -11,6 +11,7 @@ from tests.mutation_run import (
     hashes_of_test_files,
     killers_of_mutants,
     not_checked,
+    seconds_by_test,
     uncheck,
 )
 
@@ -130,3 +131,21 @@ def test_a_mutant_runs_its_ordered_tests_until_their_recorded_time_passes_the_bu
     launches = [SimpleNamespace(nodeid=name) for name in ("slow", "a", "b", "c")]
     assert _beyond_the_budget(launches, durations, 100.0) == 0  # fewer than ten: all of them
     assert _beyond_the_budget(launches + fast, durations, 100.0) == 6  # past 100 s from the 11th on
+
+
+def test_a_tests_recorded_time_holds_its_setup_and_teardown(tmp_path, monkeypatch):
+    """A module's fixture (a search its tests share) is paid in the setup of the test that runs first; a
+    mutant's time limit is made from the recorded times, so a time of the call alone made false timeouts."""
+    from types import SimpleNamespace
+
+    import tests.mutation_plugin as plugin
+
+    monkeypatch.setattr(plugin, "PROCESS_HITS", tmp_path)
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "stats")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    for when, seconds in (("setup", 8.0), ("call", 0.5), ("teardown", 0.25)):
+        report = SimpleNamespace(nodeid="t.py::a", when=when, duration=seconds, skipped=False, failed=False)
+        plugin.pytest_runtest_logreport(report)
+    skipped = SimpleNamespace(nodeid="t.py::b", when="setup", duration=0.125, skipped=True, failed=False)
+    plugin.pytest_runtest_logreport(skipped)
+    assert seconds_by_test((tmp_path / "durations").read_text()) == {"t.py::a": 8.75, "t.py::b": 0.125}
