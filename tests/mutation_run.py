@@ -12,7 +12,8 @@ the hashes it saved last time, and for each file that changed (or is new, or gon
   them again (a changed test may reach other functions now).
 
 And every survivor not listed in tests/mutation_equivalent.txt, and every mutant no test reached, is
-checked again: a new test (a new file too) may kill or reach it, and mutmut checks a mutant once.
+checked again: a new test (a new file too) may kill or reach it, and mutmut checks a mutant once. So is
+every timeout: its limit was made from recorded times, which may have been too short.
 
 A changed helper (``conftest.py``, a module of shared tasks) changes every test in its folder and below;
 the mutation check's own files (``mutation_*.py``, ``mutation_hooks/``) change none.
@@ -184,8 +185,10 @@ def function_of(mutant: str) -> str:
     return mutant.rsplit("__mutmut_", 1)[0]
 
 
-# mutmut's results: 0 a survivor, 33 no test reaches the mutant's function; the other codes, killed.
+# mutmut's results (3.8.x): 0 a survivor, 33 no test reaches the mutant's function, these a timeout (its
+# tests' CPU time passed the limit made from their recorded times); the other codes, killed.
 SURVIVED, NO_TESTS = 0, 33
+TIMEOUTS = {-24, 24, 36, 152, 255}
 
 
 def killers_of_mutants(killers: Path) -> dict[str, set[str]]:
@@ -208,12 +211,13 @@ def check_again(
       no test named (before killers were recorded per mutant), if a changed file's tests reached its
       function (``reached``);
     - every survivor but the ``equivalent`` ones (a test written for it may be new), and every mutant
-      no test reached (a new test may reach it)."""
+      no test reached (a new test may reach it), and every timeout (a limit made from times recorded
+      before may have been too short: only a mutant that makes a loop endless should time out)."""
 
     def again(name: str, code: int) -> bool:
         if code == SURVIVED:
             return name not in equivalent
-        if code == NO_TESTS:
+        if code == NO_TESTS or code in TIMEOUTS:
             return True
         killed_by = killers.get(name)
         if killed_by:
