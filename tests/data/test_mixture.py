@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import leantrain as lt
 from leantrain.data.shard import GlobalBatchShard
@@ -239,6 +239,18 @@ def test_iterating_a_mixture_looks_at_its_sources_items_in_turn():
         def __iter__(self):
             return iter([(torch.tensor([10]),), (torch.tensor([11]),)])
 
-    table = TensorDataset(torch.tensor([[0], [1], [2]]))
-    mixture = lt.Mixture({"table": table, "stream": Stream()}, weights={"table": 1, "stream": 1})
+    class Table(Dataset):
+        """Map-style: its items are those of ``range(len)``; past the end is undefined (a KeyError here,
+        where Python's own iteration over ``__getitem__`` would wait for an IndexError)."""
+
+        def __init__(self) -> None:
+            self.rows = {0: (torch.tensor([0]),), 1: (torch.tensor([1]),), 2: (torch.tensor([2]),)}
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __getitem__(self, index: int):
+            return self.rows[index]
+
+    mixture = lt.Mixture({"table": Table(), "stream": Stream()}, weights={"table": 1, "stream": 1})
     assert [item.item() for (item,) in mixture] == [0, 10, 1, 11, 2]
