@@ -154,6 +154,11 @@ def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_t
     assert reasons.count("a smaller micro-batch of this layout does not fit") == 21 - 8 - 4
     assert isinstance(tried[0], Tried) and tried[0].as_dict()["fits"] is True
     assert tried[-1].as_dict()["reason"] in reasons
+    layout = ("strategy", "tp", "micro_batch_size", "activation_checkpointing", "precision")
+    for one in tried:  # a layout that was not simulated has the layout columns of one that was
+        row = one.as_dict()
+        assert {key: row[key] for key in layout} == {key: getattr(one.cfg, key) for key in layout}
+        assert row["fits"] is one.fits
 
 
 def test_the_search_table_shows_each_layout_tried_fitting_fastest_first_and_the_line_to_launch_the_best(

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from leantrain.blocks import BlockPolicy, block_classes
+from leantrain.blocks import block_classes
 from leantrain.config import TrainConfig
-from leantrain.errors import ConfigError, LeantrainError
+from leantrain.errors import LeantrainError
 from leantrain.simulate.cluster_plan import ClusterPlan, first_item, plan_cluster
 from leantrain.simulate.hardware import ClusterSpec
 
@@ -60,19 +60,11 @@ class Tried:
 
 def checkpointing_policies(task: Any) -> list[str | None]:
     """From the least recomputation to the most: none, op-level selective checkpointing of the model's
-    repeated blocks (when leantrain has it), the whole blocks. The search skips a policy at a micro-batch
-    that a lighter one fits."""
+    repeated blocks, the whole blocks. The search skips a policy at a micro-batch that a lighter one
+    fits."""
     with torch.device("meta"):
         blocks = block_classes(task.model())
-    policies: list[str | None] = [None]
-    if blocks:
-        try:
-            BlockPolicy.parse("selective")
-            policies.append("selective")
-        except ConfigError:
-            pass  # this leantrain has no selective checkpointing
-        policies.append(",".join(blocks))
-    return policies
+    return [None, "selective", ",".join(blocks)] if blocks else [None]
 
 
 def layouts(
