@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from leantrain.simulate.cluster_plan import plan_cluster
 from leantrain.simulate.fake_world import fake_world
 from leantrain.simulate.hardware import parse_cluster
 from leantrain.simulate.report import search_table
-from leantrain.simulate.search import Tried, layouts, search
+from leantrain.simulate.search import Tried, _try, layouts, search
 from leantrain.strategies.fsdp import shard_units
 from leantrain.units import format_bytes
 from tests.distributed.tasks import tiny_charlm
@@ -111,34 +112,55 @@ def test_layouts_cover_the_strategies_tp_degrees_policies_and_micro_batches():
     assert all([c.micro_batch_size for c in g] == sorted(c.micro_batch_size for c in g) for g in groups)
 
 
+class Searched(NamedTuple):
+    tried: list[Tried]
+    simulated: list[TrainConfig]  # the layouts simulated, in order
+    inputs: list[tuple[float | None, Any]]  # the mfu and the first item each simulation was given
+    progressed: list[tuple[int, Tried]]  # the search's progress calls
+    first_items: list[Any]  # the task's first item, as often as it was read
+
+
+MFU = 0.375
+
+
 @pytest.fixture(scope="module")
-def searched() -> tuple[list[Tried], list[TrainConfig]]:
-    """The search over ddp layouts on 2 GPUs of 1 GiB, as though micro-batches from 2 did not fit; what
-    it tried, and the layouts it simulated (once for the tests that read it: it takes seconds)."""
+def searched() -> Searched:
+    """The search over ddp layouts on 2 GPUs of 1 GiB, as though micro-batches from 2 did not fit (once
+    for the tests that read it: it takes seconds)."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         return _searched(monkeypatch)
 
 
-def _searched(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Tried], list[TrainConfig]]:
+def _searched(monkeypatch: pytest.MonkeyPatch) -> Searched:
+    from leantrain.simulate import search as search_module
+
     cluster = parse_cluster("1x2x1GiB")
-    real_plan = plan_cluster
-    simulated = []
+    real_plan, real_first_item = plan_cluster, search_module.first_item
+    simulated, inputs, progressed, first_items = [], [], [], []
 
     def plan_cluster_with_a_limit(task, cfg, cluster, mfu=None, item=None):
         simulated.append(cfg)
+        inputs.append((mfu, item))
         plan = real_plan(task, cfg, cluster, mfu, item)
         if cfg.micro_batch_size >= 2:
             object.__setattr__(plan, "peak", {"Total": 2**40})
         return plan
 
+    def counted_first_item(task):
+        first_items.append(real_first_item(task))
+        return first_items[-1]
+
     monkeypatch.setattr("leantrain.simulate.search.plan_cluster", plan_cluster_with_a_limit)
+    monkeypatch.setattr("leantrain.simulate.search.first_item", counted_first_item)
     monkeypatch.setattr("leantrain.simulate.search.STRATEGIES", ("ddp",))
     cfg = TrainConfig(global_batch_size=8, precision="bf16-mixed")
-    return search(tiny_charlm(), cfg, cluster), simulated
+    progress = lambda index, one: progressed.append((index, one))  # noqa: E731
+    tried = search(tiny_charlm(), cfg, cluster, MFU, progress)
+    return Searched(tried, simulated, inputs, progressed, first_items)
 
 
 def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_the_fastest_first(searched):
-    tried, simulated = searched
+    tried, simulated = searched.tried, searched.simulated
     # tp 1 (micro 1, 2, 4) and tp 2 (micro 1, 2, 4, 8), x 3 policies: 21 layouts. Simulated: each tp's
     # micro 1 without recomputation (it fits: the recomputed ones are not tried) and micro 2 with each.
     assert len(tried) == 21
@@ -154,6 +176,13 @@ def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_t
     assert reasons.count("a smaller micro-batch of this layout does not fit") == 21 - 8 - 4
     assert isinstance(tried[0], Tried) and tried[0].as_dict()["fits"] is True
     assert tried[-1].as_dict()["reason"] in reasons
+    # each layout in turn, reported as it is tried; the task's data read once (it can take seconds), and
+    # every simulation given it and the search's mfu
+    assert [index for index, _ in searched.progressed] == list(range(1, 22))
+    assert {id(one) for _, one in searched.progressed} == {id(one) for one in tried}
+    assert len(searched.first_items) == 1 and len(searched.inputs) == len(simulated)
+    first = searched.first_items[0]
+    assert first is not None and all(mfu == MFU and item is first for mfu, item in searched.inputs)
     layout = ("strategy", "tp", "micro_batch_size", "activation_checkpointing", "precision")
     for one in tried:  # a layout that was not simulated has the layout columns of one that was
         row = one.as_dict()
@@ -161,17 +190,37 @@ def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_t
         assert row["fits"] is one.fits
 
 
+def test_a_layout_the_simulation_refuses_is_listed_with_the_first_line_of_why():
+    cluster, cfg = parse_cluster("1x2x1GiB"), TrainConfig(global_batch_size=8, tp=3)
+    with pytest.raises(LeantrainError) as refused:
+        plan_cluster(tiny_charlm(), cfg, cluster)
+    tried = _try(tiny_charlm(), cfg, cluster, None, None)
+    assert (tried.cfg, tried.plan, tried.reason) == (cfg, None, str(refused.value).splitlines()[0])
+    assert tried.reason
+
+
 def test_the_search_table_shows_each_layout_tried_fitting_fastest_first_and_the_line_to_launch_the_best(
     searched,
 ):
-    tried, _ = searched
+    tried = searched.tried
     flags = ["--task", TASK, "--global-batch-size", "8"]
     console = Console(record=True, width=250)
     console.print(search_table(tried, flags, shown=5))
     lines = console.export_text().splitlines()
     assert lines[0].strip() == "21 layouts tried, 2 fit (fastest first)"
+    header = next(line for line in lines if line.startswith("┃"))
+    assert [cell.strip() for cell in header.split("┃")[1:-1]] == [
+        "strategy", "dp x tp", "micro x acc", "recompute", "precision", "peak", "reserved", "fits", "step",
+        "tokens/s/GPU",
+    ]  # fmt: skip
     rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
     assert len(rows) == 5  # the first five only
+    table = search_table(tried, flags, shown=5)
+    # words to the left, numbers to the right; a row is one line however narrow the terminal (cut short)
+    assert [column.justify for column in table.columns] == ["left", *["right"] * 2, "left", *["right"] * 6]
+    narrow = Console(record=True, width=90)
+    narrow.print(table)
+    assert sum(line.startswith("│") for line in narrow.export_text().splitlines()) == 5
     for row, one in zip(rows, tried, strict=False):
         strategy, dp_tp, micro_acc, recompute, precision, peak, reserved, fits, step, tokens = row
         cfg = one.cfg
