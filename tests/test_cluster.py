@@ -61,10 +61,18 @@ def test_torchrun_takes_precedence_over_slurm():
 
 @pytest.mark.parametrize(
     ("nodes", "first"),
-    [("node1", "node1"), ("node1,node2", "node1"), ("gpu[07-09,12],cpu1", "gpu07"), ("a-b[3]", "a-b3")],
-)
+    [
+        ("node1", "node1"), ("node1,node2", "node1"), ("gpu[07-09,12],cpu1", "gpu07"), ("gpu[12,07-09]", "gpu12"),
+        ("a-b[3]", "a-b3"),
+    ],
+)  # fmt: skip
 def test_first_host_of_a_node_list(nodes, first):
     assert first_host(nodes) == first
+
+
+def test_a_node_list_with_no_host_is_a_one_line_error():
+    with pytest.raises(LeantrainError, match=r"^cannot read the SLURM node list ',node2'$"):
+        first_host(",node2")
 
 
 def test_a_malformed_variable_is_a_clear_error():

@@ -203,3 +203,17 @@ def test_a_hand_written_loader_is_checked_through_its_facts() -> None:
             yield torch.ones(1)
 
     assert loader_facts(DataLoader(Stream()))["map_style"] is False
+    pinned = DataLoader(TensorDataset(torch.ones(8)), num_workers=2, pin_memory=True, persistent_workers=True)
+    assert loader_facts(pinned) == {
+        "num_workers": 2,
+        "persistent_workers": True,
+        "pin_memory": True,
+        "map_style": True,
+    }
+
+    class OwnLoader:  # a loader of one's own, which tells its worker count only
+        num_workers = 0
+
+    assert loader_facts(OwnLoader()) == {
+        "num_workers": 0, "persistent_workers": False, "pin_memory": False, "map_style": True
+    }  # fmt: skip
