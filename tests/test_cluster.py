@@ -62,8 +62,8 @@ def test_torchrun_takes_precedence_over_slurm():
 @pytest.mark.parametrize(
     ("nodes", "first"),
     [
-        ("node1", "node1"), ("node1,node2", "node1"), ("gpu[07-09,12],cpu1", "gpu07"), ("gpu[12,07-09]", "gpu12"),
-        ("a-b[3]", "a-b3"),
+        ("node1", "node1"), ("node1,node2", "node1"), ("gpu[07-09,12],cpu1", "gpu07"),
+        ("gpu[12,07-09]", "gpu12"), ("a-b[3]", "a-b3"),
     ],
 )  # fmt: skip
 def test_first_host_of_a_node_list(nodes, first):
