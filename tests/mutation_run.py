@@ -13,7 +13,8 @@ the hashes it saved last time, and for each file that changed (or is new, or gon
 
 And every survivor not listed in tests/mutation_equivalent.txt, and every mutant no test reached, is
 checked again: a new test (a new file too) may kill or reach it, and mutmut checks a mutant once. So is
-every timeout: its limit was made from recorded times, which may have been too short.
+every timeout: its limit was made from recorded times, which may have been too short. And the tests
+that reached a function now gone from a module that gained one (a rename) are recorded again.
 
 A changed helper (``conftest.py``, a module of shared tasks) changes every test in its folder and below;
 the mutation check's own files (``mutation_*.py``, ``mutation_hooks/``) change none.
@@ -252,6 +253,34 @@ def not_checked(patterns: list[str], mutants: Path) -> list[str]:
     return names
 
 
+def functions_now(mutants: Path) -> set[str]:
+    """Every function of the mutated copy, as mutmut names them (``leantrain.cli.x_main``)."""
+    functions = set()
+    for meta in mutants.rglob("*.py.meta"):
+        module = ".".join(meta.relative_to(mutants / "src").with_suffix("").with_suffix("").parts)
+        functions |= {f"{module}.{name}" for name in json.loads(meta.read_text())["hash_by_function_name"]}
+    return functions
+
+
+def replaced_functions(reached: dict[str, list[str]], functions: set[str]) -> set[str]:
+    """The functions in mutmut's record (``reached``: function -> tests) that are gone from a module
+    that now has a function the record does not know: renamed, or split in two. mutmut records tests
+    only when they change, so the new function's mutants would show as reached by no test; the tests
+    that reached the gone ones are recorded again (see ``files_reaching``)."""
+
+    def module(function: str) -> str:
+        return function.rsplit(".", 1)[0]
+
+    gaining = {module(function) for function in functions if function not in reached}
+    return {function for function in reached if function not in functions and module(function) in gaining}
+
+
+def files_reaching(stats: dict, functions: set[str]) -> set[str]:
+    """The test files whose tests reached ``functions`` in mutmut's record."""
+    reached = stats["tests_by_mangled_function_name"]
+    return {test.split("::", 1)[0] for function in functions for test in reached[function]}
+
+
 def listed_equivalents() -> set[str]:
     """The names in tests/mutation_equivalent.txt, as tests/mutation_report.py reads them. That file is
     loaded by its path: importing the ``tests`` package here would make the forked pytest runs of the
@@ -291,12 +320,20 @@ def main() -> int:
     record_again = invalidate_changed_tests()
     names = []
     recorded = STATS.is_file() and json.loads(STATS.read_text())["duration_by_test"]
-    if args.patterns or not recorded or record_again:
-        generate_mutants()  # the mutated copy, its tests as they are now
+    generate_mutants()  # the mutated copy, its source and tests as they are now
     if not recorded:  # none yet, or emptied by a change to a helper of every test (tests/conftest.py)
         record_stats_in_parallel(args.workers)
-    elif record_again:
-        record_stats_in_parallel(args.workers, record_again)
+    else:
+        stats = json.loads(STATS.read_text())
+        replaced = replaced_functions(stats["tests_by_mangled_function_name"], functions_now(MUTANTS))
+        record_again = sorted({*record_again, *files_reaching(stats, replaced)})
+        if record_again:
+            record_stats_in_parallel(args.workers, record_again)
+        if replaced:  # recorded again: the gone functions' entries can go (not before: a stop keeps them)
+            stats = json.loads(STATS.read_text())
+            for function in replaced:
+                del stats["tests_by_mangled_function_name"][function]
+            STATS.write_text(json.dumps(stats, indent=4))
     # Saved once the record holds them: a run stopped before sees the same changes next time.
     TEST_HASHES.write_text(json.dumps(hashes_of_test_files(ROOT / "tests"), indent=1))
     if args.patterns:

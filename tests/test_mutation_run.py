@@ -7,10 +7,13 @@ import json
 from tests.mutation_run import (
     changed_test_files,
     check_again,
+    files_reaching,
     forget_tests,
+    functions_now,
     hashes_of_test_files,
     killers_of_mutants,
     not_checked,
+    replaced_functions,
     seconds_by_test,
     uncheck,
 )
@@ -150,3 +153,26 @@ def test_a_tests_recorded_time_holds_its_setup_and_teardown(tmp_path, monkeypatc
     skipped = SimpleNamespace(nodeid="t.py::b", when="setup", duration=0.125, skipped=True, failed=False)
     plugin.pytest_runtest_logreport(skipped)
     assert seconds_by_test((tmp_path / "durations").read_text()) == {"t.py::a": 8.75, "t.py::b": 0.125}
+
+
+def test_the_tests_of_a_renamed_function_are_recorded_again_and_not_those_of_a_removed_one(tmp_path):
+    """mutmut records a test's reach only when the test changes: a function renamed in the source (or
+    split out of another) would show as reached by no test until the tests of the old name run again."""
+    meta = tmp_path / "src" / "leantrain" / "strategies" / "split_logits.py.meta"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"hash_by_function_name": {"x_local_loss": "1", "x__as_values": "2"}}))
+    (tmp_path / "src" / "leantrain" / "cli.py.meta").write_text(
+        json.dumps({"hash_by_function_name": {"x_main": "3"}})
+    )
+    functions = functions_now(tmp_path)
+    module = "leantrain.strategies.split_logits"
+    assert functions == {f"{module}.x_local_loss", f"{module}.x__as_values", "leantrain.cli.x_main"}
+    reached = {
+        f"{module}.x_local_loss": ["tests/a.py::t1"],
+        f"{module}.x__values": ["tests/b.py::t2", "tests/b.py::t3"],  # renamed _as_values
+        "leantrain.cli.x_main": ["tests/c.py::t4"],
+        "leantrain.cli.x_gone": ["tests/d.py::t5"],  # removed: its module gained no function
+    }
+    replaced = replaced_functions(reached, functions)
+    assert replaced == {f"{module}.x__values"}
+    assert files_reaching({"tests_by_mangled_function_name": reached}, replaced) == {"tests/b.py"}
