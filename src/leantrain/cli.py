@@ -588,7 +588,9 @@ def run_fit(values: dict[str, Any], console: Console) -> FitResult:
 
 
 def _summary_table(result: FitResult) -> Table:
-    table = Table(title=f"summary ({result.out_url or result.out_dir}/summary.json)", show_header=False)
+    table = Table(
+        title=escape(f"summary ({result.out_url or result.out_dir}/summary.json)"), show_header=False
+    )
     for key, value in result.summary().items():
         table.add_row(key, _summary_text(value))
     return table
@@ -600,7 +602,7 @@ def _summary_text(value: object) -> str:
         return str(value).lower()
     if isinstance(value, float):
         return f"{value:,.4g}"
-    return f"{value:,}" if isinstance(value, int) else str(value)
+    return f"{value:,}" if isinstance(value, int) else escape(str(value))
 
 
 def list_examples(console: Console) -> None:

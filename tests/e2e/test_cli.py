@@ -283,6 +283,28 @@ def test_the_summary_table_shows_values_as_summary_json_holds_them():
     ]  # fmt: skip
 
 
+def test_the_summary_table_shows_a_run_folders_and_a_nan_origins_brackets():
+    """rich reads ``[...]`` as markup: ``runs/[exp1]`` showed as ``runs/``."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from leantrain.cli import _summary_table
+    from leantrain.run.results import FitResult
+
+    result = FitResult(
+        steps=3, samples=48, final_train_loss=0.5, samples_per_second=10.0, wall_seconds=4.8,
+        micro_batch_size=16, accumulation_steps=1, world_size=1, precision="32", strategy="single",
+        peak_memory_bytes=0, global_batch_size=16, device="cpu", nan_origin="non-finite output of [layers].0",
+        out_dir=Path("runs/[exp1]"),
+    )  # fmt: skip
+    console = Console(record=True, width=200)
+    console.print(_summary_table(result))
+    text = console.export_text()
+    assert "summary (runs/[exp1]/summary.json)" in text
+    assert "│ out_dir " in text and "runs/[exp1] " in text and "non-finite output of [layers].0 " in text
+
+
 TASK_FILE = """
 import torch
 from torch import nn

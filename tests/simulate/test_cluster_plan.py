@@ -197,13 +197,18 @@ def test_a_layout_the_simulation_refuses_is_listed_with_the_first_line_of_why():
     tried = _try(tiny_charlm(), cfg, cluster, None, None)
     assert (tried.cfg, tried.plan, tried.reason) == (cfg, None, str(refused.value).splitlines()[0])
     assert tried.reason
+    # the table shows a reason as it is: rich would read "[/x]" as markup and fail, "[tp]" would vanish
+    odd = Tried(cfg, None, "needs [tp] to divide [/x]")
+    console = Console(record=True, width=250)
+    console.print(search_table([odd]))
+    assert "needs [tp] to divide [/x]" in console.export_text()
 
 
 def test_the_search_table_shows_each_layout_tried_fitting_fastest_first_and_the_line_to_launch_the_best(
     searched,
 ):
     tried = searched.tried
-    flags = ["--task", TASK, "--global-batch-size", "8"]
+    flags = ["--task", TASK, "--global-batch-size", "8", "--out", "runs/[b8]"]  # brackets: shown, not markup
     console = Console(record=True, width=250)
     console.print(search_table(tried, flags, shown=5))
     lines = console.export_text().splitlines()

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from leantrain.diagnose.advice import COMPILE_WORTH
@@ -89,12 +90,13 @@ def print_report(d: Diagnosis, console: Console) -> None:
     if not d.advice:
         console.print("advice: nothing to change found")
     for rank, advice in enumerate(d.advice, 1):
-        console.print(f"[bold]{rank}. {advice.title}[/bold]", highlight=False)
-        console.print(f"   evidence: {advice.evidence}", highlight=False)
+        console.print(f"[bold]{rank}. {escape(advice.title)}[/bold]", highlight=False)
+        console.print(f"   evidence: {advice.evidence}", highlight=False, markup=False)
         console.print(f"   change:   {advice.change}", highlight=False, markup=False)
-        console.print(f"   expected: {advice.expected_gain}", highlight=False)
+        console.print(f"   expected: {advice.expected_gain}", highlight=False, markup=False)
     if d.trace_dir:
-        console.print(f"profiler trace of {schedule.traced} steps in {d.trace_dir} (TensorBoard or Perfetto)")
+        where = f"profiler trace of {schedule.traced} steps in {d.trace_dir} (TensorBoard or Perfetto)"
+        console.print(where, markup=False)
 
 
 def _print_findings(d: Diagnosis, console: Console) -> None:
@@ -104,7 +106,9 @@ def _print_findings(d: Diagnosis, console: Console) -> None:
         for column in ("call", "where", "per step"):
             table.add_column(column)
         for sync in d.host_syncs:
-            table.add_row(sync.call, f"{short_path(sync.file)}:{sync.line}", f"{sync.per_step(steps):g}")
+            table.add_row(
+                escape(sync.call), escape(f"{short_path(sync.file)}:{sync.line}"), f"{sync.per_step(steps):g}"
+            )
         console.print(table)
     else:
         console.print("host syncs in your code: none")
@@ -113,7 +117,7 @@ def _print_findings(d: Diagnosis, console: Console) -> None:
         for column in ("created at", "tensors", "their bytes"):
             table.add_column(column)
         for graph in d.retained_graphs:
-            where = f"{short_path(graph.file)}:{graph.line}"
+            where = escape(f"{short_path(graph.file)}:{graph.line}")
             table.add_row(where, str(graph.tensors), format_bytes(graph.bytes))
         console.print(table)
     else:
@@ -123,7 +127,9 @@ def _print_findings(d: Diagnosis, console: Console) -> None:
         for column in ("kind", "where", "times", "reason"):
             table.add_column(column)
         for event in d.compiler_events:
-            table.add_row(event.kind, _short_where(event.where), str(event.count), event.reason)
+            table.add_row(
+                event.kind, escape(_short_where(event.where)), str(event.count), escape(event.reason)
+            )
         console.print(table if d.compiler_events else "torch.compile: no graph breaks, no recompilations")
     if d.compile_trial is not None:
         console.print(compile_trial_line(d), highlight=False)

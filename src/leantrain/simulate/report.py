@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rich.markup import escape
 from rich.table import Table
 
 from leantrain.simulate.cluster_plan import ALLOCATOR_OVERHEAD, CUDA_CONTEXT_BYTES, ClusterPlan
@@ -84,7 +85,7 @@ def search_table(tried: Sequence[Tried], fit_flags: Sequence[str] = (), shown: i
             recompute = cfg.activation_checkpointing or "-"
             table.add_row(
                 cfg.strategy, f"? x {cfg.tp}", f"{cfg.micro_batch_size}", recompute, cfg.precision,
-                "", "", "no", one.reason or "", "",
+                "", "", "no", escape(one.reason or ""), "",
             )  # fmt: skip
             continue
         tokens, layout = plan.time.tokens_per_s_per_gpu, plan.layout
@@ -95,5 +96,7 @@ def search_table(tried: Sequence[Tried], fit_flags: Sequence[str] = (), shown: i
             "" if tokens is None else f"{tokens:,.0f}",
         )  # fmt: skip
     best = next((one.plan for one in tried if one.fits and one.plan is not None), None)
-    table.caption = "fastest that fits: " + best.command(fit_flags) if best is not None else "no layout fits"
+    table.caption = (
+        "fastest that fits: " + escape(best.command(fit_flags)) if best is not None else "no layout fits"
+    )
     return table

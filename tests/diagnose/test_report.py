@@ -1,0 +1,167 @@
+"""The doctor's terminal report: every figure of a Diagnosis where the report says it is, each table
+under its title and column names, and text from the run (code, paths, compiler reasons) shown as it is.
+
+rich reads ``[...]`` as markup: a compiler's reason with ``[/tmp/x]`` in it made the report fail, and
+``[input_ids]`` in advice vanished. Text from the run is escaped, and these tests put brackets in it."""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+
+from leantrain.diagnose.advice import Advice, CompileTrial, RunFacts
+from leantrain.diagnose.doctor import Diagnosis
+from leantrain.diagnose.flops import PeakFlops
+from leantrain.diagnose.probe import Schedule
+from leantrain.diagnose.report import compile_trial_line, flops_line, headline, print_report
+from leantrain.diagnose.syncs import HostSync, RetainedGraph
+from leantrain.diagnose.timer import PHASES
+from leantrain.memory.accountant import MemoryBreakdown
+from leantrain.step.compilation import CompilerEvent
+from leantrain.units import format_bytes
+
+MS = {"data": 4.0, "h2d": 0.0, "forward": 10.0, "backward": 20.0, "communication": 0.0, "optimizer": 3.0}
+MS["other"] = 0.5
+
+
+def diagnosis(**changes) -> Diagnosis:
+    """A run with every finding the report can show."""
+    phases = {phase: MS[phase] / 1000 for phase in PHASES}
+    phases["total"] = sum(phases.values())
+    here = os.path.abspath
+    fields = dict(
+        verdict="compute-bound", phases=phases, step_phases=[phases], samples_per_second=426.7,
+        flops_per_step=123_456_789, peak=PeakFlops(2e12, "float32", "measured: 1024^3 matmul [2 threads]"),
+        mfu=0.0123, memory=MemoryBreakdown(4096, 4096, 8192, 2**20), peak_memory_bytes=3 * 2**20,
+        host_syncs=[HostSync("batch[labels].item()", here("train.py"), 12, 6, 0.01)], engine_host_syncs=[],
+        audited_steps=3, retained_graphs=[RetainedGraph(here("[w]/model.py"), 40, 2, 2048)],
+        compiler_events=[CompilerEvent("graph break", f"{here('model.py')}:41", "reads [/tmp/x] [bold]", 3)],
+        compile_trial=CompileTrial("blocks", 0.025, 12.5),
+        advice=[
+            Advice("pin [host] batches", "batch[input_ids] copies 4 ms", "--pin-memory [cuda]", "10% [est]"),
+            Advice("second", "e2", "c2", "g2"),
+        ],
+        facts=RunFacts(compile="blocks"), schedule=Schedule(warmup=2, timed=5, traced=1),
+        trace_dir="/tmp/[trace]", nan_origin="non-finite loss at step 3 in [bold]x[/bold]",
+    )  # fmt: skip
+    return Diagnosis(**{**fields, **changes})
+
+
+def report(d: Diagnosis, styles: bool = False) -> list[str]:
+    """The report's lines; with ``styles``, in a colour terminal's escape codes."""
+    console = Console(record=True, width=200, force_terminal=True, color_system="standard")
+    print_report(d, console)
+    return console.export_text(styles=styles).splitlines()
+
+
+def table(lines: list[str], title: str | None = None) -> tuple[list[str], list[list[str]]]:
+    """The column names and rows of the table under ``title`` (the first table when None; a title wider
+    than its table is drawn on several lines), each cell as it is drawn (with its padding: where the text
+    sits tells how it is justified)."""
+    headers = [i for i, line in enumerate(lines) if line.startswith("┃")]
+    if title is None:
+        header = headers[0]
+    else:
+        # the lines above the table's top border end with its title
+        header = next(i for i in headers if " ".join(line.strip() for line in lines[: i - 1]).endswith(title))
+    names = [cell.strip() for cell in lines[header].split("┃")[1:-1]]
+    rows = []
+    for line in lines[header + 2 :]:
+        if not line.startswith("│"):
+            break
+        rows.append(line.split("│")[1:-1])
+    return names, rows
+
+
+def right_justified(cell: str) -> bool:
+    return cell.endswith(" ") and not cell.endswith("  ") and cell.startswith("  ")
+
+
+def test_the_report_shows_each_figure_where_it_says():
+    d = diagnosis()
+    lines = report(d)
+    assert lines[0] == f"verdict: {headline(d)}"
+    assert lines[1] == "time per step by phase: mean of 5 steps after 2 warm-up"
+    names, rows = table(lines)
+    assert names == ["phase", "ms/step", "share"]
+    total = sum(MS.values())
+    assert [row[0].strip() for row in rows] == [*PHASES, "step"]
+    for row, phase in zip(rows, PHASES, strict=False):
+        assert (
+            float(row[1]) == MS[phase]
+            and abs(float(row[2].strip().rstrip("%")) - 100 * MS[phase] / total) < 1
+        )
+        assert not row[0].startswith("  ") and all(
+            right_justified(cell) for cell in row[1:] if cell.strip() != "0%"
+        )
+    assert [cell.strip() for cell in rows[-1]] == ["step", f"{total:.2f}", "100%"]
+    assert flops_line(d) in lines  # its brackets kept
+    parts = ", ".join(f"{kind} {format_bytes(size)}" for kind, size in d.memory.parts().items())
+    assert f"memory: {parts}; total {format_bytes(d.memory.total_bytes)}; process peak 3.0 MiB" in lines
+    assert parts.startswith("params 4.0 KiB, grads 4.0 KiB, optimizer 8.0 KiB, activation 1.0 MiB")
+
+
+def test_the_findings_are_tables_of_places_in_your_code_with_their_counts():
+    lines = report(diagnosis())
+    names, rows = table(lines, "host syncs in your code (counted over 3 steps)")
+    assert names == ["call", "where", "per step"]
+    assert [[cell.strip() for cell in row] for row in rows] == [["batch[labels].item()", "train.py:12", "2"]]
+    names, rows = table(lines, "tensors with autograd graphs alive a step after they were made")
+    assert names == ["created at", "tensors", "their bytes"]
+    assert [[cell.strip() for cell in row] for row in rows] == [["[w]/model.py:40", "2", "2.0 KiB"]]
+    names, rows = table(lines, "torch.compile (--compile blocks): graph breaks and recompilations")
+    assert names == ["kind", "where", "times", "reason"]
+    assert [[cell.strip() for cell in row] for row in rows] == [
+        ["graph break", "model.py:41", "3", "reads [/tmp/x] [bold]"]
+    ]
+    # no audited step: counted over one (the counts are not divided by zero, nor by two)
+    unaudited = report(diagnosis(audited_steps=0))
+    assert [
+        cell.strip() for cell in table(unaudited, "host syncs in your code (counted over 1 steps)")[1][0]
+    ][2] == "6"
+
+
+def test_the_compile_trial_nan_origin_advice_and_trace_are_shown_as_they_are():
+    d = diagnosis()
+    lines = report(d)
+    trial = compile_trial_line(d)
+    assert trial in lines
+    assert trial == (
+        "torch.compile trial: --compile blocks took 25.0 ms per step against 37.5 ms eagerly (1.50x) after "
+        "12.5 s of compiling: advised"
+    )
+    assert "non-finite step: non-finite loss at step 3 in [bold]x[/bold]" in lines
+    advice = lines[lines.index("1. pin [host] batches") :]
+    assert advice[:8] == [
+        "1. pin [host] batches",
+        "   evidence: batch[input_ids] copies 4 ms",
+        "   change:   --pin-memory [cuda]",
+        "   expected: 10% [est]",
+        "2. second",
+        "   evidence: e2",
+        "   change:   c2",
+        "   expected: g2",
+    ]
+    assert lines[-1] == "profiler trace of 1 steps in /tmp/[trace] (TensorBoard or Perfetto)"
+    # the figures in these lines are not coloured as rich colours numbers: plain text, bold titles
+    styled = report(d, styles=True)
+    plain = [line for line in styled if line.startswith(("   ", "non-finite", "torch.compile trial"))]
+    assert len(plain) == 8 and not any("\x1b[" in line for line in plain)
+    assert "\x1b[1m1. pin [host] batches" in "\n".join(styled)
+
+
+def test_a_report_with_nothing_found_says_so_and_shows_no_empty_section():
+    quiet = diagnosis(
+        host_syncs=[], retained_graphs=[], compiler_events=[], compile_trial=None, advice=[], memory=None,
+        nan_origin=None, trace_dir=None,
+    )  # fmt: skip
+    lines = report(quiet)
+    for line in ("host syncs in your code: none", "retained graphs: none", "advice: nothing to change found"):
+        assert line in lines
+    assert "torch.compile: no graph breaks, no recompilations" in lines  # --compile blocks, nothing seen
+    assert not any(
+        line.startswith(("memory:", "non-finite", "profiler", "torch.compile trial")) for line in lines
+    )
+    eager = report(diagnosis(facts=RunFacts(compile="none"), compile_trial=None))
+    assert not any(line.lstrip().startswith("torch.compile") for line in eager)
