@@ -197,6 +197,34 @@ def test_lora_flags_give_the_tasks_model_adapters(tmp_path):
         fit(tmp_path / "nope", BaseOnly(), lora_rank=4, lora_targets="nope")
 
 
+def test_lora_flags_configure_peft_as_documented(monkeypatch):
+    """``--lora-alpha`` defaults to twice the rank; ``all-linear`` is peft's word for every linear layer
+    but the head; a target peft cannot find is one line naming the flag, with peft's reason cut short."""
+    from leantrain.adapters import lora_model
+    from leantrain.errors import TaskError
+
+    model = lora_model(BaseOnly().model(), rank=2, alpha=None, dropout=0.25, targets=["all-linear"])
+    config = model.peft_config["default"]
+    assert (config.r, config.lora_alpha, config.lora_dropout) == (2, 4, 0.25)
+    adapted = {
+        name.split(".lora_A.")[0].rsplit(".", 1)[-1]
+        for name, _ in model.named_parameters()
+        if ".lora_A." in name
+    }
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    missing = [f"missing_projection_{n}" for n in range(40)]
+    with pytest.raises(TaskError) as refused:
+        lora_model(BaseOnly().model(), rank=2, alpha=None, dropout=0.0, targets=missing)
+    prefix = f"--lora-targets {','.join(missing)}: "
+    message = str(refused.value)
+    reason = message[len(prefix) :]  # peft's: on one line, its first 300 characters
+    assert message.startswith(prefix) and reason.startswith("Target modules") and reason.endswith("...")
+    assert len(reason) == 303 and "\n" not in reason and "  " not in reason
+    monkeypatch.setitem(__import__("sys").modules, "peft", None)  # not installed
+    with pytest.raises(TaskError, match=r"^--lora-rank needs peft: pip install 'leantrain\[hf\]'$"):
+        lora_model(BaseOnly().model(), rank=2, alpha=None, dropout=0.0, targets=["q_proj"])
+
+
 def test_export_of_a_lora_flag_run_draws_the_base_as_the_run_did(tmp_path):
     """GPT-2 drawn at random from the run's seed (no fixed base): export seeds as the run did, so
     the fingerprint matches and the merged model computes what the trained one did."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from leantrain.errors import CheckpointError, ConfigError, TaskError
+from leantrain.errors import CheckpointError, ConfigError, TaskError, one_line
 from leantrain.files import as_the_umask_says, writing
 
 FINGERPRINT_SAMPLES = 1024  # elements read per frozen tensor: cheap even for a 70B base
@@ -123,8 +123,9 @@ def load_adapter_weights(
     try:
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as error:  # a tensor of another shape: torch's message spans lines
-        first = " ".join(str(error).split())[:300]
-        raise CheckpointError(f"{source}: the adapter's weights do not fit task.model(): {first}") from None
+        raise CheckpointError(
+            f"{source}: the adapter's weights do not fit task.model(): {one_line(error)}"
+        ) from None
     missing = [name for name in missing if name not in frozen.names]
     if missing or unexpected:
         first = (missing or unexpected)[0]
@@ -194,8 +195,7 @@ def lora_model(
     try:
         return get_peft_model(model, config)
     except ValueError as error:  # peft's message names the targets it could not find
-        first = " ".join(str(error).split())[:300]
-        raise TaskError(f"--lora-targets {','.join(names)}: {first}") from None
+        raise TaskError(f"--lora-targets {','.join(names)}: {one_line(error)}") from None
 
 
 def adapter_summary(model: nn.Module) -> str:

@@ -34,7 +34,7 @@ from leantrain.adapters import (
     merged,
     with_lora,
 )
-from leantrain.errors import CheckpointError, TaskError
+from leantrain.errors import CheckpointError, TaskError, one_line
 from leantrain.files import as_the_umask_says, atomic_write, check_folder, writing
 from leantrain.remote import RemoteFolder, is_url
 from leantrain.runtime import seed_everything
@@ -169,7 +169,7 @@ def _read(path: Path) -> Any:
     except Exception as error:
         # Arbitrary bytes reach the unpickler's internals (IndexError, KeyError, struct.error,
         # ...): whatever it raises, the file is unusable, and weights_only ran no code.
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({_first_line(error)})") from error
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({one_line(error)})") from error
 
 
 def check_compatible(state: dict[str, Any], path: Path, config: dict[str, Any], dataset_size: int) -> None:
@@ -197,14 +197,8 @@ def load_into(target: Any, saved: dict[str, Any], what: str, path: Path) -> None
             target.load_state_dict(saved)
     except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as error:
         raise CheckpointError(
-            f"checkpoint {path} does not match this run's {what}: {_first_line(error)}"
+            f"checkpoint {path} does not match this run's {what}: {one_line(error)}"
         ) from error
-
-
-def _first_line(error: BaseException) -> str:
-    """A compact one-line account of an error (torch's load_state_dict errors span lines)."""
-    text = " ".join(str(error).split())
-    return (text[:300] + "...") if len(text) > 300 else text or type(error).__name__
 
 
 class CheckpointFolder:
@@ -432,7 +426,7 @@ def _fill(
         _load_tied(model, weights)
     except RuntimeError as error:  # load_state_dict's list of missing, unexpected and mis-sized names
         raise CheckpointError(
-            f"checkpoint {checkpoint}: its weights do not fit task.model(): {_first_line(error)}"
+            f"checkpoint {checkpoint}: its weights do not fit task.model(): {one_line(error)}"
         ) from None
 
 
@@ -463,7 +457,7 @@ def check_shards(checkpoint: Path, folder: Path | str) -> None:
         raise CheckpointError(f"checkpoint {checkpoint}: its shards' .metadata is refused: {error}") from None
     except Exception as error:  # truncated or random bytes reach the unpickler's internals
         raise CheckpointError(
-            f"checkpoint {checkpoint}: its shards' .metadata is corrupt ({_first_line(error)})"
+            f"checkpoint {checkpoint}: its shards' .metadata is corrupt ({one_line(error)})"
         ) from None
 
 

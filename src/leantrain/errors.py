@@ -34,6 +34,13 @@ def _shortened(text: str) -> str:
     return f"{text[: SHOWN_VALUE_CHARS - 20]}...({len(text):,} characters)"
 
 
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """An error's message for one line of ours: its lines and runs of spaces joined (torch's messages
+    span lines), cut after ``limit`` characters with "..."; its type's name when it has no message."""
+    text = " ".join(str(error).split())
+    return (text[:limit] + "...") if len(text) > limit else text or type(error).__name__
+
+
 class TaskError(LeantrainError):
     """A task that cannot be found, imported or built, or that breaks the Task protocol."""
 

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from leantrain.errors import ConfigError, StorageError
+from leantrain.errors import ConfigError, StorageError, one_line
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 # The package that serves each scheme, and the leantrain extra that installs it.
@@ -125,15 +125,15 @@ class RemoteFolder:
             raise
         except PermissionError as error:
             raise StorageError(
-                f"{self._where(name)}: the storage refused to {action} (permission: {_line(error)})"
+                f"{self._where(name)}: the storage refused to {action} (permission: {one_line(error, 200)})"
             ) from None
         except FileNotFoundError as error:
             raise StorageError(
-                f"{self._where(name)}: could not {action}: not found ({_line(error)})"
+                f"{self._where(name)}: could not {action}: not found ({one_line(error, 200)})"
             ) from None
         except Exception as error:  # botocore's and aiohttp's timeouts and refusals are no OSError
             raise StorageError(
-                f"{self._where(name)}: could not {action} ({type(error).__name__}: {_line(error)})"
+                f"{self._where(name)}: could not {action} ({type(error).__name__}: {one_line(error, 200)})"
             ) from None
 
     def _where(self, name: str) -> str:
@@ -190,11 +190,6 @@ class RemoteFolder:
             with self._refused("remove", names[0]):
                 self.fs.rm([self._path(name) for name in names])
             self.fs.invalidate_cache()
-
-
-def _line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return (text[:200] + "...") if len(text) > 200 else text or type(error).__name__
 
 
 def dcp_storage(location: Path | str, writing: bool) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from torch.utils.data import (
 )
 
 from leantrain.data.hf import is_stored_table
-from leantrain.errors import CollateError, DataError, TaskError
+from leantrain.errors import CollateError, DataError, TaskError, one_line
 from leantrain.runtime import derived_seed, host_rng_seeded
 
 
@@ -178,8 +178,8 @@ def _why_not_batched(items: list[Any], indices: Sequence[int], name: str, error:
                 "of a batch must have the same shapes: pad them in __getitem__ to one length (and "
                 "have task.loss return an lt.LossSum over the real elements, so the padding is not counted)"
             )
-    reason = " ".join(str(error).split())
-    return f"{name} items {list(indices)} cannot be put into one batch: {type(error).__name__}: {reason}"
+    reason = f"{type(error).__name__}: {one_line(error)}"
+    return f"{name} items {list(indices)} cannot be put into one batch: {reason}"
 
 
 def _none_field(value: Any, field: str) -> str | None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from leantrain.checkpoint import check_shards
-from leantrain.errors import CheckpointError
+from leantrain.errors import CheckpointError, one_line
 from leantrain.remote import dcp_storage
 from leantrain.step.precision import Precision
 
@@ -147,5 +147,5 @@ def load_dcp_extra(state: dict[str, Any], folder: Path | str) -> None:
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             dcp.load(state, **dcp_storage(folder, writing=False))
     except Exception as error:  # DCP raises its own CheckpointException and plain errors
-        reason = " ".join(str(error).split())[:300]
+        reason = one_line(error)
         raise CheckpointError(f"cannot load the sharded checkpoint state {folder}: {reason}") from None

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from leantrain.errors import one_line
 from leantrain.strategies.base import Example
 from leantrain.task import LossSum
 
@@ -81,8 +82,7 @@ class SplitLogits:
                 with loss_parallel():
                     split = local_loss(example.loss_fn(self.model, batch))
         except Exception as error:  # an op that split logits do not support: the task's loss is another
-            reason = " ".join(str(error).split())[:120]
-            return f"the task's loss fails on split logits: {type(error).__name__}: {reason}"
+            return f"the task's loss fails on split logits: {type(error).__name__}: {one_line(error, 120)}"
         finally:
             self.model.train(was_training)
         # A LossSum's sum and count side by side (a NamedTuple of numbers), a plain loss as it is.

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from leantrain.blocks import BlockPolicy, matching_blocks
-from leantrain.errors import ConfigError, TaskError
+from leantrain.errors import ConfigError, TaskError, one_line
 from leantrain.step.accumulator import LossFn
 from leantrain.strategies.split import balanced_parts, placement
 
@@ -54,10 +54,8 @@ def traced_pipe(model: nn.Module, stages: int, inputs: tuple[tuple, dict]) -> An
     try:
         return pipeline(model, mb_args=args, mb_kwargs=kwargs or None, split_spec=split_points(model, stages))
     except Exception as error:  # torch.export's errors: the model's forward could not be traced
-        reason = " ".join(str(error).split())[:300]
-        raise ConfigError(
-            "strategy", "pipeline", f"could not trace the model into stages: {reason}"
-        ) from None
+        reason = f"could not trace the model into stages: {one_line(error)}"
+        raise ConfigError("strategy", "pipeline", reason) from None
 
 
 def shared_names(model: nn.Module) -> list[list[str]]:
