@@ -166,6 +166,65 @@ def test_export_refuses_another_base_and_merge_without_the_transformers_format(w
     assert "trained on another base model" in capsys.readouterr().err
 
 
+def test_export_pretrained_writes_the_adapter_by_default_from_the_weights_chosen(
+    whole_run, tmp_path, monkeypatch
+):
+    """The Python call behind ``export --format transformers``: the adapter unless ``merge``; the weights
+    ``choose`` makes (the average, with --ema); the user's own files in the folder left as they were; and
+    each refusal one line naming the checkpoint, the folder or the model."""
+    import errno
+    import stat
+
+    from peft import PeftModel
+
+    from leantrain.adapters import merged
+    from leantrain.checkpoint import export_pretrained
+    from leantrain.errors import ConfigError, StorageError, TaskError
+
+    checkpoint = whole_run / "checkpoints" / "step-00000004.pt"
+    out = tmp_path / "adapter"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "notes.txt").chmod(0o600)
+    zeros = lambda weights, callbacks: {name: torch.zeros_like(value) for name, value in weights.items()}  # noqa: E731
+    assert export_pretrained(TinyLlamaLoRA().model, checkpoint, out, choose=zeros) == out
+    written = load_file(out / "adapter_model.safetensors")
+    assert written and all(not value.any() for value in written.values())  # chosen, and an adapter only
+    assert stat.S_IMODE((out / "notes.txt").stat().st_mode) == 0o600  # not the folder's new files' mode
+
+    with pytest.raises(TaskError) as plain:
+        export_pretrained(lambda: torch.nn.Linear(1, 1), checkpoint, tmp_path / "plain")
+    assert str(plain.value) == (
+        "--format transformers needs a transformers model (one with save_pretrained); task.model() "
+        "returned a Linear: use the default safetensors format"
+    )
+    with pytest.raises(
+        CheckpointError, match=f"^checkpoint {checkpoint}: its adapter was trained on another"
+    ):
+        export_pretrained(another_base().model, checkpoint, tmp_path / "other")
+    with pytest.raises(CheckpointError, match=f"^checkpoint {checkpoint}: the adapter's weights do not fit"):
+        first_left_out = lambda weights, callbacks: dict(list(weights.items())[1:])  # noqa: E731
+        export_pretrained(TinyLlamaLoRA().model, checkpoint, tmp_path / "short", choose=first_left_out)
+    with pytest.raises(CheckpointError, match=f"^checkpoint {checkpoint} holds an adapter only"):
+        export_pretrained(TinyLlamaLoRA().base, checkpoint, tmp_path / "base")
+    with pytest.raises(ConfigError, match=r"^invalid out=.*notes\.txt'?: is a file; give a folder$"):
+        export_pretrained(TinyLlamaLoRA().model, checkpoint, out / "notes.txt")
+
+    def disk_full(self, folder, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PeftModel, "save_pretrained", disk_full)
+    with pytest.raises(
+        StorageError, match=f"^could not write transformers folder {tmp_path / 'full'}: No space"
+    ):
+        export_pretrained(TinyLlamaLoRA().model, checkpoint, tmp_path / "full")
+    with pytest.raises(
+        TaskError,
+        match=r"^--merge folds an adapter into its base; task\.model\(\) returned a Linear without one",
+    ):
+        merged(torch.nn.Linear(1, 1))
+
+
 def another_base() -> TinyLlamaLoRA:
     return TinyLlamaLoRA(base_seed=1)
 

@@ -299,6 +299,10 @@ def test_exported_weights_load_back_strictly_into_a_fresh_model(tmp_path):
     save_file({k: v for k, v in renamed.items() if "ln_f" not in k}, str(tmp_path / "part.safetensors"))
     with pytest.raises(RuntimeError, match=r"Missing key\(s\).*transformer.ln_f.weight"):
         load_weights(TiedLanguageModel(), tmp_path / "part.safetensors")
+    # neither name of the tie: the same error, naming both
+    save_file({k: v for k, v in renamed.items() if "ln_f" in k}, str(tmp_path / "untied.safetensors"))
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*transformer.wte.weight.*lm_head.weight"):
+        load_weights(TiedLanguageModel(), tmp_path / "untied.safetensors")
 
 
 def test_export_command_matches_the_weights_of_the_checkpoint(tmp_path):
