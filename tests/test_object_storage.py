@@ -326,6 +326,23 @@ def test_a_run_at_a_url_is_staged_in_one_cache_folder_per_url(tmp_path, monkeypa
     assert default_staging("s3://other/exp-1") != staging
 
 
+def test_a_urls_local_copy_is_named_after_its_last_part_under_the_users_cache(tmp_path, monkeypatch):
+    from leantrain.remote import local_copy_folder
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    copy = local_copy_folder("s3://bucket/Team Data@v2//", "caches")
+    assert copy.parent == tmp_path / ".cache" / "leantrain" / "caches"
+    name, _, digest = copy.name.rpartition("-")
+    assert (
+        name == "Team-Data-v2" and len(digest) == 12 and int(digest, 16) >= 0
+    )  # letters of either case kept
+    assert local_copy_folder("s3://bucket/Team Data@v2", "caches") == copy  # the same URL
+    assert local_copy_folder("s3://other/Team Data@v2", "caches").name != copy.name
+    assert local_copy_folder("///", "caches").name.startswith("root-")
+    assert local_copy_folder("s3://bucket/runX/", "caches").name.startswith("runX-")  # only slashes go
+
+
 def test_the_checkpoints_of_a_run_at_a_url_are_its_complete_ones_oldest_first(tmp_path):
     """What the line after a refused write names as the last good checkpoint: the newest whose manifest
     is at the URL, as the URL says it."""
