@@ -201,7 +201,11 @@ def test_settings_that_do_not_fit_are_one_line_naming_the_field(fit):
     ]:
         with pytest.raises(lt.ConfigError, match=message):
             lt.TrainConfig(**fields)
-    with pytest.raises(lt.ConfigError, match=r"lr_warmup_steps=4: is 4 steps, not fewer than the run's 4"):
+    whole = (
+        r"^invalid lr_warmup_steps=4: is 4 steps, not fewer than the run's 4 optimizer steps: the learning "
+        r"rate would never reach its base value; give fewer steps or a fraction such as 0\.1$"
+    )
+    with pytest.raises(lt.ConfigError, match=whole):
         fit(RegressionTask(), global_batch_size=16, max_steps=4, lr_schedule="linear", lr_warmup_steps=4)
     with pytest.raises(lt.TaskError, match="the task has its own scheduler and lr_schedule is cosine"):
         fit(TakesTotal(), global_batch_size=16, max_steps=4, lr_schedule="cosine")
@@ -215,3 +219,56 @@ def test_the_flags_set_a_schedule(tmp_path):
     rates = logged_rates(tmp_path)
     factors = [1, 5 / 6, 4 / 6, 0.5]  # warmup over at step 1, then 1 -> 0.5 at step 4
     assert [rates[step] for step in (1, 2, 3, 4)] == pytest.approx([BASE_LR * f for f in factors])
+
+
+def test_the_shape_at_its_edges_and_as_described():
+    """No warmup starts at the base rate (not 0/0); past the end the floor stays; the floor is named
+    only where there is a decay to floor."""
+    from leantrain.step.schedules import ScheduleShape
+
+    assert ScheduleShape("cosine", 0, 10)(0) == 1.0
+    assert ScheduleShape("linear", 2, 10)(2) == 1.0 and ScheduleShape("linear", 2, 10)(1) == 0.5
+    assert ScheduleShape("linear", 0, 10)(15) == 0.0  # the default floor, past the end
+    assert ScheduleShape("linear", 0, 10, min_ratio=0.25)(15) == 0.25
+    assert ScheduleShape("cosine", 10, 100, 0.1).describe() == "cosine to 0.1 x over 100 steps, warmup 10"
+    assert ScheduleShape("constant", 0, 100, 0.1).describe() == "constant over 100 steps, warmup 0"
+    assert ScheduleShape("linear", 5, 100).describe() == "linear over 100 steps, warmup 5"
+
+
+def schedule(lr: float | torch.Tensor, total: int, groups: int = 1):
+    from leantrain.step.schedules import BuiltInSchedule, ScheduleShape
+
+    params = [[torch.nn.Parameter(torch.zeros(1))] for _ in range(groups)]
+    optimizer = torch.optim.SGD([{"params": p} for p in params], lr=lr)
+    return BuiltInSchedule(optimizer, ScheduleShape("linear", 0, total))
+
+
+def test_a_built_in_schedule_resumes_its_rates_in_place_and_says_what_changed():
+    saved = schedule(0.1, total=10)
+    for _ in range(4):
+        saved.optimizer.step(), saved.step()
+    state = saved.state_dict()
+    assert "resume_warning" not in state and "shape" not in state  # saved once, as lr_lambdas
+    same = schedule(torch.tensor(0.1), total=10)  # a rate held in a tensor (capturable optimizers)
+    rate = same.optimizer.param_groups[0]["lr"]
+    same.load_state_dict(state)
+    assert same.optimizer.param_groups[0]["lr"] is rate and math.isclose(rate.item(), 0.1 * 0.6, rel_tol=1e-6)
+    assert same.get_last_lr() == [rate] and same.resume_warning is None
+    longer = schedule(0.1, total=20)
+    longer.load_state_dict(state)
+    assert longer.get_last_lr() == [pytest.approx(0.1 * 0.8)]
+    assert longer.resume_warning == (
+        "the learning-rate schedule changed on resume at step 4: the checkpoint's was linear over 10 steps, "
+        "warmup 0, this run's is linear over 20 steps, warmup 0 (max_steps or the lr_* settings changed); "
+        "the learning rate follows the new one from here on"
+    )
+    assert "resume_warning" not in longer.state_dict()
+    with pytest.raises(ValueError):  # another number of parameter groups than the checkpoint's
+        schedule(0.1, total=10, groups=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize("lambdas", [None, [], [None], [{"kind": "linear"}]])
+def test_a_state_a_built_in_schedule_did_not_save_is_refused(lambdas):
+    with pytest.raises(ValueError) as refused:
+        schedule(0.1, total=10).load_state_dict({"lr_lambdas": lambdas, "last_epoch": 3})
+    assert str(refused.value) == "it was not saved by a built-in lr_schedule (a task's own scheduler?)"
