@@ -165,6 +165,29 @@ def test_the_prefetch_bound_counts_the_batches_held_ahead():
         check_prefetch(10**20, workers=1, batch_bytes=PAGE_BYTES)
 
 
+def test_an_items_size_counts_its_tensors_and_arrays_and_the_loader_reads_item_0():
+    import numpy as np
+    import torch
+
+    from leantrain.data.build import _first_item_bytes
+    from leantrain.data.limits import item_bytes
+
+    class Sized:  # an object whose nbytes is not a byte count (a method, as some array types have)
+        def nbytes(self) -> int:
+            return 10**9
+
+    item = {"x": torch.zeros(4, dtype=torch.float64), "y": [np.zeros(3, np.int16), np.zeros(5, np.uint8)]}
+    assert item_bytes({**item, "label": 7, "name": "a", "other": Sized()}) == 32 + 6 + 5
+    assert item_bytes(("text", 3)) == 0
+    assert _first_item_bytes([item]) == 43  # item 0, in a dataset of one
+
+    class Broken:
+        def __getitem__(self, index):
+            raise ValueError("unreadable")
+
+    assert _first_item_bytes(Broken()) == 0  # the loader names the failing item
+
+
 def test_a_prefetch_that_the_data_cannot_hold_is_refused_with_its_item_size(tmp_path, monkeypatch):
     # 64 MiB available: half of it, less a worker's 16 MiB, holds 4096 pages, but only 2340 micro-batches
     # of RegressionTask's 64 items of 14 float64s (7 KiB): the loader's check knows the items' size.

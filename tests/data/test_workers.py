@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from torch.utils.data import Dataset
 from leantrain.data.loader import build_loader
 from leantrain.data.workers import (
     MAX_AUTO_WORKERS,
+    TuneResult,
     auto_prefetch,
     auto_workers,
     available_cpus,
@@ -106,6 +108,32 @@ def test_tune_only_tries_counts_that_the_run_has_batches_for(monkeypatch):
     result = tune_workers(loader, [list(range(4))] * 4, candidates=[0, 1, 2, 4], batches_per_trial=8)
     assert set(result.samples_per_second) == {0, 1, 2}  # 4 workers would need 4 + 2 micro-batches
     assert tune_workers(loader, [list(range(4))] * 2, candidates=[0, 1]) is None
+
+
+def test_tune_times_eight_micro_batches_after_one_per_worker_and_keeps_the_fewest_within_five_percent(
+    monkeypatch,
+):
+    ends = iter([0.0, 20.0, 20.0, 39.0])  # 0 workers: 20 s; 2 workers: 19 s, 5% faster to the digit
+    monkeypatch.setattr("leantrain.data.workers.time.perf_counter", lambda: next(ends))
+    trials = []
+
+    def loader(workers, batches):
+        trials.append((workers, len(batches)))
+        warnings.warn("This DataLoader will create 64 worker processes in total.", UserWarning, stacklevel=1)
+        warnings.warn("a warning of the data's own", UserWarning, stacklevel=1)
+        return iter([torch.zeros(len(b)) for b in batches])
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        result = tune_workers(loader, [list(range(38))] * 12, candidates=[0, 2])
+    assert trials == [(0, 1 + 8), (2, 2 + 8)]  # the default: 8 timed after the warm-up
+    assert result.samples_per_second == {0: 8 * 38 / 20, 2: 8 * 38 / 19} and result.workers == 0
+    assert [str(w.message) for w in seen] == ["a warning of the data's own"] * 2  # torch's: expected here
+    ends = iter([0.0, 1.0])
+    assert tune_workers(loader, [[0]] * 3, candidates=[0]).samples_per_second == {0: 2.0}  # 1 + 2: enough
+    assert TuneResult(2, {0: 1000.4, 2: 2500.0}).report() == (
+        "num_workers tune: 2 is fastest (samples/s by worker count: 0: 1,000, 2: 2,500)"
+    )
 
 
 def test_fit_with_tune_on_a_run_too_short_to_measure_falls_back_to_auto(fit):
