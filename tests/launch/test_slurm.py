@@ -168,7 +168,9 @@ def test_an_sbatch_that_does_not_answer_is_one_line_within_the_bound(tmp_path, m
     monkeypatch.setattr(slurm, "SBATCH_SECONDS", 1)
     started = time.monotonic()
     with pytest.raises(
-        LeantrainError, match=r"^sbatch did not answer within 1 s: the job may or may not be queued"
+        LeantrainError,
+        match=r"^sbatch did not answer within 1 s: the job may or may not be queued; look with squeue before "
+        r"submitting again$",
     ):
         submit("#!/bin/bash\n", tmp_path / "run")
     assert time.monotonic() - started < 30
