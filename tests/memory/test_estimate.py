@@ -57,6 +57,66 @@ def test_a_budget_gets_the_largest_micro_batch_that_fits_with_its_margin():
     assert [row.fits for row in plan.rows[:5]] == [True, True, True, True, False]
 
 
+def plan_lines(plan, width: int = 200) -> list[str]:
+    from rich.console import Console
+
+    from leantrain.cli import _plan_table
+
+    console = Console(record=True, width=width)
+    console.print(_plan_table(plan))
+    return console.export_text().splitlines()
+
+
+def test_the_plan_table_shows_each_row_by_kind_with_its_verdict_and_marks_the_recommended_one():
+    from leantrain.units import format_bytes
+
+    config = lt.TrainConfig(global_batch_size=16)
+    total = {
+        row.micro_batch_size: row.memory.total_bytes for row in estimate_memory(small_charlm(), config).rows
+    }
+    budget = int(total[8] / 0.9) + 1
+    plan = estimate_memory(small_charlm(), config, budget=budget)
+    lines = plan_lines(plan)
+    assert lines[0].strip() == f"memory per step, precision 32, budget {format_bytes(budget)} less 10%"
+    header = next(line for line in lines if line.startswith("┃"))
+    kinds = ["params", "grads", "optimizer", "activation"]
+    assert [cell.strip() for cell in header.split("┃")[1:-1]] == [
+        "micro",
+        "recompute",
+        *kinds,
+        "total",
+        "fits",
+    ]
+    drawn = [line.split("│")[1:-1] for line in lines if line.startswith("│")]
+    assert len(drawn) == len(plan.rows) > 5
+    for cells, row in zip(drawn, plan.rows, strict=True):
+        parts = row.memory.parts()
+        verdict = ("yes" if row.fits else "no") + (" *" if row is plan.recommended else "")
+        assert [cell.strip() for cell in cells] == [
+            str(row.micro_batch_size), row.activation_checkpointing or "-",
+            *[format_bytes(parts[kind]) for kind in kinds], format_bytes(row.memory.total_bytes), verdict,
+        ]  # fmt: skip
+        # the policy to the left, the numbers to the right (and their names above them)
+        assert not cells[1].startswith("  ") and all(not cell.endswith("  ") for cell in cells[2:7])
+    named = header.split("┃")[1:-1]
+    assert not named[1].startswith("  ") and all(not cell.endswith("  ") for cell in named[2:7])
+    assert sum(line.startswith("│") for line in plan_lines(plan, width=60)) == len(
+        plan.rows
+    )  # cut, not wrapped
+    bottom = next(i for i, line in enumerate(lines) if line.startswith("└"))
+    caption = " ".join(line.strip() for line in lines[bottom + 1 :])
+    assert caption == (
+        "* recommended: the largest micro-batch that fits; with recomputation when that fits one 4x larger"
+    )
+    unbudgeted = plan_lines(estimate_memory(small_charlm(), config))
+    assert unbudgeted[0].strip() == "memory per step, precision 32" and unbudgeted[-1].startswith("└")
+    assert all(line.split("│")[-2].strip() == "" for line in unbudgeted if line.startswith("│"))  # no verdict
+    single = estimate_memory(DigitsTask(), lt.TrainConfig(global_batch_size=1))
+    assert len(single.rows) == 1 and sum(line.startswith("│") for line in plan_lines(single)) == 1
+    nothing = plan_lines(estimate_memory(small_charlm(), config, budget=1024))
+    assert nothing[-1].strip() == "nothing fits: use 16-bit precision, or shard the model"
+
+
 def test_checkpointing_is_recommended_when_it_fits_a_micro_batch_four_times_larger():
     config = lt.TrainConfig(global_batch_size=16)
     rows = estimate_memory(small_charlm(), config).rows
