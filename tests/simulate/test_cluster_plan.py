@@ -6,6 +6,7 @@ table and its launch line, the search, and the bad paths."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any, NamedTuple
@@ -81,6 +82,55 @@ def test_the_table_gives_memory_by_kind_the_modelled_time_and_the_launch_line(ca
         "--global-batch-size 8 --strategy fsdp"
     ) in out
     assert "- a model, not a measurement: compute at 35% of h100-sxm's dense fp32" in out
+
+
+def test_the_plan_table_holds_each_figure_of_the_plan():
+    from leantrain.simulate.cluster_plan import CUDA_CONTEXT_BYTES
+    from leantrain.simulate.report import KINDS, plan_notes, plan_table
+
+    cfg = TrainConfig(global_batch_size=8, micro_batch_size=2, compile="blocks")
+    plan = plan_cluster(tiny_charlm(), cfg, parse_cluster("1x2x1GiB"))
+    console = Console(record=True, width=200, force_terminal=True, color_system="standard")
+    console.print(plan_table(plan))
+    lines = console.export_text(clear=False).splitlines()
+    styled = console.export_text(styles=True)
+    top = next(i for i, line in enumerate(lines) if line.startswith("┏"))
+    assert " ".join(line.strip() for line in lines[:top]) == (
+        f"per GPU on {plan.cluster}: ddp, dp {plan.dp} x tp 1, micro-batch 2 x {plan.accumulation}, 32, "
+        "recompute -"
+    )
+    header = next(line for line in lines if line.startswith("┃")).split("┃")[1:-1]
+    assert [cell.strip() for cell in header] == ["at the peak", "bytes"] and not header[1].endswith("  ")
+    cells = [line.split("│")[1:-1] for line in lines if line.startswith("│")]
+    rows = {name.strip(): value.strip() for name, value in cells}
+    assert all(not value.endswith("  ") for _, value in cells)  # the figures to the right
+    shown = {KINDS[kind]: format_bytes(size) for kind, size in plan.peak.items() if kind in KINDS and size}
+    assert shown and {name: rows[name] for name in shown} == shown
+    assert rows["live tensors"] == format_bytes(plan.peak["Total"])
+    assert rows["reserved (allocator +10%, modelled)"] == format_bytes(plan.reserved_bytes)
+    assert rows["CUDA context (assumed)"] == format_bytes(CUDA_CONTEXT_BYTES)
+    free = plan.cluster.memory_bytes - plan.reserved_bytes - CUDA_CONTEXT_BYTES
+    verdict = "fits" if plan.fits else "does NOT fit"
+    assert rows[f"{verdict}: GPU 1.0 GiB"] == f"{format_bytes(free)} free"
+    assert "\x1b[1mlive tensors" in styled and "\x1b[1mstep (modelled)" in styled  # the totals in bold
+    narrow = Console(record=True, width=30)
+    narrow.print(plan_table(plan))
+    assert sum(line.startswith("│") for line in narrow.export_text().splitlines()) == len(
+        cells
+    )  # cut, not wrapped
+    notes = plan_notes(plan)
+    assert notes[2] == (
+        "- --compile blocks is planned eagerly: a compiled step may hold less (its partitioner recomputes "
+        "cheap values) and run faster than planned"
+    )
+    eager = plan_cluster(tiny_charlm(), cfg.replace(compile="none"), parse_cluster("1x2x1GiB"))
+    assert not any("--compile" in line for line in plan_notes(eager))
+    too_big = dataclasses.replace(plan, peak={**plan.peak, "Total": 2**30})
+    assert not too_big.fits
+    console.print(plan_table(too_big))
+    free = format_bytes(2**30 - too_big.reserved_bytes - CUDA_CONTEXT_BYTES)
+    drawn = console.export_text()
+    assert "│ does NOT fit: GPU 1.0 GiB" in drawn and f"{free} free" in drawn
 
 
 def test_json_holds_the_plan_and_a_cluster_too_small_does_not_fit(capsys):
