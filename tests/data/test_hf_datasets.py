@@ -172,6 +172,10 @@ def test_a_dict_of_splits_or_a_stream_split_by_node_is_refused_in_one_line():
     splits = datasets.DatasetDict({"train": HFTask().train_data(), "test": HFTask().val_data()})
     with pytest.raises(lt.TaskError, match=r"^train_data is a datasets.DatasetDict \(splits: train, test\)"):
         torch_rows(splits, "train_data")
+    with pytest.raises(
+        lt.TaskError, match=r"^Mixture source 'web' is a datasets.DatasetDict \(splits: train, test\)"
+    ):
+        lt.Mixture({"web": splits}, weights={"web": 1})
     from datasets.distributed import split_dataset_by_node
 
     mine = split_dataset_by_node(HFTask("stream").train_data(), rank=1, world_size=2)
