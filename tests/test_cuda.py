@@ -217,3 +217,22 @@ def test_pinned_batches_come_from_the_main_process_and_from_workers(workers):
     batches = list(build_loader(dataset, "train_data", batch_size=4, num_workers=workers, pin_memory=True))
     assert [len(batch[0]) for batch in batches] == [4, 2]
     assert all(tensor.is_pinned() for batch in batches for tensor in batch)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_packed_attention_on_the_gpu_is_flex_attention_with_the_document_mask(monkeypatch):
+    import torch.nn.functional as F
+
+    from leantrain.data import document_attention as attention
+
+    ids = torch.tensor([[0] * 100 + [1] * 60, [0] * 30 + [1] * 130], device="cuda")
+    q, k, v = (torch.randn(2, 2, 160, 16, device="cuda") for _ in range(3))
+    used = []
+    flex = attention.flex_document_attention
+    monkeypatch.setattr(attention, "flex_document_attention", lambda *a: used.append(1) or flex(*a))
+    out = attention.document_attention(q, k, v, ids)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=attention.document_mask(ids))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    attention.document_attention(q, k, v, ids, dropout_p=0.1)  # flex_attention has no dropout: SDPA
+    assert used == [1]

@@ -11,7 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leantrain.data.document_attention import _flex_block_mask, document_mask, transformers_inputs
+from leantrain.data.document_attention import (
+    _flex_block_mask,
+    document_attention,
+    document_mask,
+    flex_document_attention,
+    transformers_inputs,
+)
 from leantrain.errors import TaskError
 
 # The rows hold different documents: a mask made for one row only (or for none) gives another answer.
@@ -21,15 +27,21 @@ DOCUMENT_IDS = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 4, 4] * 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
 def test_the_flex_block_mask_lets_each_position_attend_to_its_own_document_up_to_itself():
-    from torch.nn.attention.flex_attention import flex_attention
-
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, DOCUMENT_IDS.shape[1], 8) for _ in range(3))
     block_mask = _flex_block_mask(DOCUMENT_IDS)
     assert block_mask.shape == (2, 1, DOCUMENT_IDS.shape[1], DOCUMENT_IDS.shape[1])
-    flex = flex_attention(q, k, v, block_mask=block_mask)
+    flex = flex_document_attention(q, k, v, DOCUMENT_IDS)  # what CUDA runs
     masked = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(DOCUMENT_IDS))
     torch.testing.assert_close(flex, masked, rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        document_attention(q, k, v, DOCUMENT_IDS), masked, rtol=0, atol=0
+    )  # no dropout
+    torch.manual_seed(1)
+    dropped = document_attention(q, k, v, DOCUMENT_IDS, dropout_p=0.5)  # SDPA: flex_attention has no dropout
+    torch.manual_seed(1)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(DOCUMENT_IDS), dropout_p=0.5)
+    assert torch.equal(dropped, expected) and not torch.equal(dropped, masked)
     # the guard: attending across documents (or to itself only, or not to itself) moves the output by ~1
     causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert (causal - masked).abs().max() > 0.1

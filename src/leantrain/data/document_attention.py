@@ -51,10 +51,18 @@ def document_attention(
 ) -> torch.Tensor:
     """Causal attention within each document of a packed row (``q, k, v``: ``[rows, heads, N, dim]``)."""
     if q.device.type == "cuda" and dropout_p == 0.0:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        return flex_attention(q, k, v, block_mask=_flex_block_mask(document_ids))  # type: ignore[return-value]
+        return flex_document_attention(q, k, v, document_ids)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(document_ids), dropout_p=dropout_p)
+
+
+def flex_document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor
+) -> torch.Tensor:
+    """:func:`document_attention` by ``flex_attention``: the blocks of other documents are skipped. What
+    CUDA runs; the CPU runs it too, uncompiled and slowly (for tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=_flex_block_mask(document_ids))  # type: ignore[return-value]
 
 
 def _inner_model(model: nn.Module) -> nn.Module:
