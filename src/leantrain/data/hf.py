@@ -95,9 +95,25 @@ def stream_rows(dataset: Any, name: str, epoch: int, state: dict[str, Any] | Non
 
 def resumes_exactly(dataset: Any) -> bool:
     """Whether a ``datasets`` stream's ``state_dict()`` restores its order exactly: not after
-    ``shuffle(buffer_size=...)``, whose buffer the state leaves out (datasets refills it on load).
-    ``_shuffling`` is private, read only here."""
-    return getattr(dataset, "_shuffling", None) is None
+    ``shuffle(buffer_size=...)`` anywhere in it (a source of an interleaved stream too), whose buffer
+    the state leaves out (datasets refills it on load). Read from datasets' private chain of example
+    iterables (a ``BufferShuffledExamplesIterable``; earlier versions also set ``_shuffling``), only here."""
+    if getattr(dataset, "_shuffling", None) is not None:
+        return False
+    pending = [getattr(dataset, "_ex_iterable", None)]
+    for _ in range(MAX_STREAM_CHAIN):
+        if not pending:
+            return True
+        node = pending.pop()
+        if node is None:
+            continue
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            return False
+        pending += [getattr(node, "ex_iterable", None), *(getattr(node, "ex_iterables", None) or [])]
+    return False  # a chain longer than any datasets builds: read again rather than trust the state
+
+
+MAX_STREAM_CHAIN = 1000  # example iterables looked at: a stream of many sources and steps has dozens
 
 
 class StreamRows:
