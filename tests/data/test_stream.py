@@ -109,11 +109,15 @@ def test_a_stream_shorter_than_a_global_batch_is_an_error():
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_validation_shards_split_a_stream_between_ranks(workers):
-    seen = []
-    for rank in range(2):
+    for rank in range(2):  # every other item, from the rank's own
         loader = DataLoader(RankShard(Numbers(30), "val_data", rank, 2), batch_size=4, num_workers=workers)
-        seen += [int(i) for batch in loader for i in batch[0]]
-    assert sorted(seen) == list(range(30))
+        assert sorted(int(i) for batch in loader for i in batch[0]) == list(range(rank, 30, 2))
+
+
+def test_one_process_validates_the_whole_stream_and_a_failing_item_names_it():
+    assert [int(item[0]) for item in RankShard(Numbers(5), "val_data")] == [0, 1, 2, 3, 4]
+    with pytest.raises(lt.DataError, match=r"^val_data item 3 of epoch 0 failed"):
+        list(RankShard(Numbers(5, fail_at=3), "val_data"))
 
 
 @pytest.mark.parametrize(("sized", "workers"), [(True, 0), (False, 2)])
