@@ -151,6 +151,25 @@ def test_a_refused_write_is_named_whoever_writes_it(tmp_path):
         atomic_write(tmp_path / "w.bin", a_bug)
 
 
+def test_the_storage_line_gives_the_size_needed_and_what_is_free_when_known(tmp_path, monkeypatch):
+    from leantrain import files
+    from leantrain.units import format_bytes
+
+    target = tmp_path / "c.pt"
+    assert files.storage_message("checkpoint", target, "Permission denied") == (
+        f"could not write checkpoint {target}: Permission denied"
+    )
+    monkeypatch.setattr(files, "free_bytes", lambda path: 3 * 2**20)
+    assert files.storage_message("checkpoint", target, "No space left on device", 5 * 2**30) == (
+        f"could not write checkpoint {target}: No space left on device (needs {format_bytes(5 * 2**30)}, "
+        "3.0 MiB free)"
+    )
+    monkeypatch.setattr(files, "free_bytes", lambda path: None)  # a file system that does not say
+    assert files.storage_message("checkpoint", target, "No space", 2**30).endswith(
+        ": No space (needs 1.0 GiB)"
+    )
+
+
 def test_a_read_only_file_system_is_refused_before_the_run(small_disk):
     small_disk.needs_a_real_one()
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk.folder)], check=True)

@@ -71,6 +71,20 @@ def train(fit, task, **fields):
     return fit(task, **fields)
 
 
+def test_a_workers_traceback_is_reduced_to_its_last_line_after_the_first_marker():
+    traceback = (
+        "Caught DataError in DataLoader worker process 1.\nTraceback (most recent call last):\n"
+        '  File "loader.py", line 48, in __getitem__\n'
+        "leantrain.errors.DataError: train_data item 3 failed: DataError: the inner one"
+    )
+    error = DataError(traceback)
+    assert str(error) == "train_data item 3 failed: DataError: the inner one" and error.details == traceback
+    assert (
+        str(DataError("train_data item 3 failed: DataError: one line"))
+        == "train_data item 3 failed: DataError: one line"
+    )
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_none_item_names_the_dataset_and_its_index(fit, workers):
     with pytest.raises(TaskError) as caught:

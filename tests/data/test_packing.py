@@ -11,7 +11,7 @@ import leantrain as lt
 from leantrain.data.document_attention import transformers_inputs
 from leantrain.data.loader import collate
 from leantrain.data.packing import PackedDocuments, PackedRowSampler, padding_share
-from leantrain.errors import ConfigError, TaskError
+from leantrain.errors import ConfigError, DataError, TaskError
 from leantrain.examples.charlm import CharLMTask
 from leantrain.step.batching import BatchSplit
 from tests.conftest import quiet_config
@@ -238,6 +238,30 @@ def test_bad_values_are_one_line_errors(tmp_path):
         ConfigError, match="pack_length=16: packs map-style data; train_data is an IterableDataset"
     ):
         lt.Trainer(quiet_config(tmp_path / "stream", pack_length=16, max_steps=1)).fit(task)
+
+
+def test_the_log_line_counts_what_packing_leaves_out_and_a_document_that_fails_later_names_its_row():
+    documents = [torch.arange(5), torch.arange(7), torch.arange(6)]  # 18 tokens: 4 rows of 4, 2 left
+    packed = PackedDocuments(Items(documents), 4, 0, False, "train_data")
+    assert packed.note() == (
+        "pack_length 4: 3 train_data documents, 18 tokens -> 4 rows per epoch (2 tokens of the last partial "
+        "row left out)"
+    )
+
+    class Vanishing(Items):  # read whole once (to measure the documents), then gone
+        reads = 0
+
+        def __getitem__(self, index: int):
+            Vanishing.reads += 1
+            if Vanishing.reads > len(self.items):
+                raise FileNotFoundError(f"shard {index}")
+            return self.items[index]
+
+    packed = PackedDocuments(Vanishing(documents), 4, 0, False, "train_data")
+    with pytest.raises(
+        DataError, match=r"^train_data item 1 \(packed into row 2 of epoch 1\) failed: FileNotF"
+    ):
+        packed[len(packed) + 2]  # epoch 1, row 2: document 1, tokens 3-6
 
 
 def test_padding_share_counts_masked_positions_or_ignored_labels():

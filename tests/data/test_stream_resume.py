@@ -68,6 +68,27 @@ def test_a_stream_of_a_million_items_killed_at_step_900_resumes_without_rereadin
     assert again.produced == (901 * batch if stateless else batch)
 
 
+class SizedCounted(Counted):
+    def __len__(self) -> int:
+        return self.count
+
+
+def test_what_a_stream_reads_again_to_reach_its_position():
+    """From a saved snapshot: nothing, when the stream restores its state; else the items read in the
+    saved epoch. With no saved position: the items of the current epoch, or all of them unsized."""
+    from leantrain.data.stream import StreamReader
+
+    stateful, stateless = StreamReader(Counted(10), "d"), StreamReader(Counted(10, stateless=True), "d")
+    snapshot, none = (
+        {"epoch": 2, "read": 7, "snapshot": {"next": 7}},
+        {"epoch": 2, "read": 7, "snapshot": None},
+    )
+    assert stateful.rereads(27, snapshot) == 0
+    assert stateless.rereads(27, snapshot) == 7 and stateful.rereads(27, none) == 7
+    assert StreamReader(SizedCounted(10), "d").rereads(27, None) == 7  # into epoch 2
+    assert stateful.rereads(27, None) == 27  # no length: from the very start
+
+
 def test_the_saved_position_resumes_on_another_world_size():
     stream = Counted(200)
     _, position = shard_batches(stream, BatchSplit(16, 8), 5)

@@ -165,3 +165,15 @@ def test_a_report_with_nothing_found_says_so_and_shows_no_empty_section():
     )
     eager = report(diagnosis(facts=RunFacts(compile="none"), compile_trial=None))
     assert not any(line.lstrip().startswith("torch.compile") for line in eager)
+
+
+def test_places_are_shown_relative_to_the_working_folder_when_below_it(tmp_path, monkeypatch):
+    from leantrain.diagnose.report import _short_where, short_path
+
+    monkeypatch.chdir(tmp_path)
+    assert short_path(str(tmp_path / "src" / "model.py")) == "src/model.py"
+    outside = str(tmp_path.parent / "other.py")
+    assert short_path(outside) == outside  # not ../other.py
+    assert _short_where(f"{tmp_path / 'model.py'}:41") == "model.py:41"
+    assert _short_where(f"{tmp_path / 'c:d.py'}:7") == "c:d.py:7"  # the line number after the last colon
+    assert _short_where("<eval_with_key>") == "<eval_with_key>"  # no file and line: as it is

@@ -362,3 +362,11 @@ def test_tensor_parallel_collectives_are_exposed_and_data_parallel_ones_hide_beh
     )
     hidden = min(fsdp.time.communication_s, 0.8 * fsdp.time.compute_s)  # step_time's default overlap
     assert fsdp.time.exposed_communication_s == pytest.approx(fsdp.time.communication_s - hidden)
+
+
+def test_modelled_times_read_in_milliseconds_below_a_second():
+    from leantrain.simulate.report import _seconds
+
+    assert [_seconds(t) for t in (0.0123, 0.9996, 1.0, 1.5, 2500.0)] == [
+        "12.3 ms", "999.6 ms", "1.00 s", "1.50 s", "2,500.00 s"
+    ]  # fmt: skip
