@@ -171,7 +171,9 @@ def test_a_loss_that_is_not_finite_from_finite_outputs_is_the_tasks():
     assert described.startswith("non-finite loss at step 5, from finite model outputs (model output max")
 
 
-@pytest.mark.parametrize("layer", ["transformer.h.0.mlp.c_fc", "transformer.h.1.attn.c_attn"])
+@pytest.mark.parametrize(
+    "layer", ["transformer.h.0.mlp.c_fc", "transformer.h.1.attn.c_attn", "transformer.h.0.mlp.act"]
+)  # the activation holds no parameter: only the gradient of its input tells
 def test_a_planted_non_finite_gradient_is_named_at_its_layer(layer):
     model = gpt2()
     ids = torch.randint(0, 64, (2, 16))
@@ -203,6 +205,31 @@ def test_a_non_finite_parameter_gradient_is_named_at_its_layer(layer, later):
         infinite_gradient_below(model.get_submodule(later))
     origin = find_nan_origin(model, gpt2_forward("32", ids), gradients=True)
     assert (origin.kind, origin.module) == ("gradient", layer)
+
+
+class TwoEmbeddings(nn.Module):
+    """``early`` is looked up first, ``late`` added just before the output: the backward reaches late,
+    then the linear layer, then early; named in the order early, late, linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.early, self.late, self.linear = nn.Embedding(10, 4), nn.Embedding(10, 4), nn.Linear(4, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.early(ids)) + self.late(ids)
+
+
+def test_of_two_gradients_gone_bad_after_their_hooks_the_one_the_backward_reached_first_is_named():
+    """Both embeddings' weights get an infinite gradient after their module's hook ran (their inputs need
+    no gradient): the one nearer the loss is the origin, not the first registered nor the whole model."""
+    torch.manual_seed(0)
+    model = TwoEmbeddings()
+    for embedding in (model.early, model.late):
+        embedding.weight.register_hook(lambda grad: grad * float("inf"))
+    ids = torch.randint(0, 10, (2, 5))
+    origin = find_nan_origin(model, lambda m: m(ids).sum(), gradients=True)
+    assert (origin.kind, origin.module) == ("gradient", "late")
+    assert origin.describe() == "non-finite gradient in late (no tensor output gradient)"  # no step given
 
 
 class Noisy(nn.Module):
