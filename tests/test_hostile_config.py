@@ -143,6 +143,15 @@ def test_nesting_is_counted_with_the_aliases_expanded(in_tmp):
 def test_the_depth_and_value_bounds_are_inclusive(tmp_path):
     (tmp_path / "deep.yaml").write_text(nested(MAX_DEPTH))
     assert load_yaml(tmp_path / "deep.yaml", "config")["a"] is not None
+    # an alias of 10 levels inside 53 lists (under the mapping): MAX_DEPTH once expanded, one more refused
+    outer = MAX_DEPTH - 11
+    for lists, loads in ((outer, True), (outer + 1, False)):
+        (tmp_path / "alias.yaml").write_text(f"a: &a {'[' * 10}{']' * 10}\nb: {'[' * lists}*a{']' * lists}\n")
+        if loads:
+            assert load_yaml(tmp_path / "alias.yaml", "config")["b"] is not None
+        else:
+            with pytest.raises(ConfigError, match="once alias"):
+                load_yaml(tmp_path / "alias.yaml", "config")
     # A mapping of one key and a list: 1 + 1 + (1 + n) values.
     (tmp_path / "many.yaml").write_text(f"a: [{', '.join(['1'] * (MAX_VALUES - 3))}]\n")
     assert len(load_yaml(tmp_path / "many.yaml", "config")["a"]) == MAX_VALUES - 3

@@ -59,6 +59,11 @@ def test_the_cache_returns_the_original_items(tmp_path, workers):
         assert_same_item(cached[index], data[index])
     for item, index in zip(cached.__getitems__([7, 3, 19]), [7, 3, 19], strict=True):
         assert_same_item(item, data[index])
+    for outside in (len(data), -1):  # Python's iteration over __getitem__ stops at the IndexError
+        with pytest.raises(
+            IndexError, match=f"^index {outside} is out of range for a cache of {len(data)} items$"
+        ):
+            cached[outside]
     again, rebuilt = prepare_cache(data, tmp_path / "c", "test:train", "train_data")
     assert rebuilt is None and len(again) == len(data)  # complete: read, not built again
     assert reads_stored_values(cached) and not reads_stored_values(data)  # the loader seeds only for data

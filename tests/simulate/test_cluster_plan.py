@@ -160,6 +160,15 @@ def test_layouts_cover_the_strategies_tp_degrees_policies_and_micro_batches():
     }  # fmt: skip
     assert found == expected
     assert all([c.micro_batch_size for c in g] == sorted(c.micro_batch_size for c in g) for g in groups)
+    # tensor parallelism stays within a node (3 nodes of 2: never tp 3 or 6); a dp the batch cannot be
+    # cut into is skipped, not the end (a batch of 3: tp 1's dp 6 does not divide it, tp 2's dp 3 does)
+    across = {
+        c.tp for g in layouts(cfg.replace(global_batch_size=6), parse_cluster("3x2xH100"), [None]) for c in g
+    }
+    assert across == {1, 2}
+    assert {
+        c.tp for g in layouts(cfg.replace(global_batch_size=3), parse_cluster("3x2xH100"), [None]) for c in g
+    } == {2}
 
 
 class Searched(NamedTuple):
