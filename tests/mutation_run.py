@@ -12,9 +12,10 @@ the hashes it saved last time, and for each file that changed (or is new, or gon
   them again (a changed test may reach other functions now).
 
 And every survivor not listed in tests/mutation_equivalent.txt, and every mutant no test reached, is
-checked again: a new test (a new file too) may kill or reach it, and mutmut checks a mutant once. So is
-every timeout: its limit was made from recorded times, which may have been too short. And the tests
-that reached a function now gone from a module that gained one (a rename) are recorded again.
+checked again: a new test (a new file too) may kill or reach it, and mutmut checks a mutant once. A
+timeout is checked again when a changed file's tests reached its function (mutmut itself checks every
+timeout again when the time limit's settings change). And the tests that reached a function now gone
+from a module that gained one (a rename) are recorded again.
 
 A changed helper (``conftest.py``, a module of shared tasks) changes every test in its folder and below;
 the mutation check's own files (``mutation_*.py``, ``mutation_hooks/``) change none.
@@ -212,14 +213,17 @@ def check_again(
       no test named (before killers were recorded per mutant), if a changed file's tests reached its
       function (``reached``);
     - every survivor but the ``equivalent`` ones (a test written for it may be new), and every mutant
-      no test reached (a new test may reach it), and every timeout (a limit made from times recorded
-      before may have been too short: only a mutant that makes a loop endless should time out)."""
+      no test reached (a new test may reach it);
+    - a timeout (a mutant that made a loop endless, or a limit too short for its tests) when a changed
+      file's tests reached its function: like a kill, but with no test to name."""
 
     def again(name: str, code: int) -> bool:
         if code == SURVIVED:
             return name not in equivalent
-        if code == NO_TESTS or code in TIMEOUTS:
+        if code == NO_TESTS:
             return True
+        if code in TIMEOUTS:
+            return function_of(name) in reached
         killed_by = killers.get(name)
         if killed_by:
             return any(test.split("::", 1)[0] in changed for test in killed_by)
