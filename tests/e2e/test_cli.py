@@ -370,3 +370,23 @@ def test_a_closed_standard_output_stops_the_run_with_one_line(tmp_path):
         == "leantrain: stopped: its standard output was closed (the reader ended)"
     )
     assert "Traceback" not in stderr
+
+
+def test_the_examples_list_names_each_example_its_task_and_what_it_is_and_marks_the_default():
+    from rich.console import Console
+
+    from leantrain.cli import list_examples
+    from leantrain.examples import DEFAULT_EXAMPLE, EXAMPLES
+
+    console = Console(record=True, width=300)
+    list_examples(console)
+    lines = console.export_text().splitlines()
+    assert lines[0].strip() == "built-in examples (leantrain fit --example NAME)"
+    header = next(line for line in lines if line.startswith("┃"))
+    assert [cell.strip() for cell in header.split("┃")[1:-1]] == ["name", "task", "what it is"]
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+    assert rows == [
+        [name + (" (default)" if name == DEFAULT_EXAMPLE else ""), spec, description]
+        for name, (spec, description) in EXAMPLES.items()
+    ]
+    assert sum(row[0].endswith(" (default)") for row in rows) == 1
