@@ -137,7 +137,9 @@ def test_auto_on_the_cpu_needs_a_budget_and_a_budget_must_hold_the_weights(fit):
 def test_a_step_that_does_not_fit_even_at_micro_batch_one_is_a_clear_error(fit):
     budget = budget_for(HeavyFromStep(), 1, global_batch_size=16)
     with pytest.raises(
-        lt.LeantrainError, match=r"^out of memory at step 1 with a micro-batch of 1, the smallest"
+        lt.LeantrainError,
+        match=r"^out of memory at step 1 with a micro-batch of 1, the smallest: raise memory_budget, use "
+        r"16-bit precision or activation_checkpointing$",
     ):
         fit(HeavyFromStep(), global_batch_size=16, micro_batch_size=1,
             memory_budget=str(int(budget) // 3), max_steps=2)  # fmt: skip

@@ -114,6 +114,11 @@ def test_auto_recomputes_the_fewest_blocks_that_fit_the_budget(fit):
     budget = (rows["Block,first:1"].memory.total_bytes + rows["Block,first:2"].memory.total_bytes) // 2
     assert fewest_checkpointed_blocks(task, lt.TrainConfig(**config), budget) == "Block,first:2"
     assert fewest_checkpointed_blocks(task, lt.TrainConfig(**config), rows[None].memory.total_bytes) is None
+    # no micro-batch set: each process's share of the global batch (one process unless told)
+    assert fewest_checkpointed_blocks(task, lt.TrainConfig(global_batch_size=8), budget) == "Block,first:2"
+    assert (
+        fewest_checkpointed_blocks(task, lt.TrainConfig(global_batch_size=16), budget, 2) == "Block,first:2"
+    )
     result = fit(task, activation_checkpointing="auto", memory_budget=str(budget), max_steps=2, **config)
     plain = fit(small_charlm(dropout=0.0), max_steps=2, **config)
     for name, value in plain.model.state_dict().items():
