@@ -149,6 +149,9 @@ def test_allocator_retries_count_from_cuda_stats_that_start_empty():
     assert retries(None, 1, 2, 3, 4, steps_in_a_row=2) == [False, True, False, True]
     assert retries(0, None, 1, steps_in_a_row=1) == [False, True]  # empty again: still none
     assert retries(5, 5, 6, steps_in_a_row=1) == [False, True]  # counted from the first reading, not 0
+    stats = iter([{"num_alloc_retries": n} for n in range(5)])
+    watch = AllocatorRetries(lambda: next(stats))  # by default: three steps in a row
+    assert [watch.too_many() for _ in range(4)] == [False, False, True, False]
 
 
 def test_more_local_ranks_than_gpus_is_a_clear_error(monkeypatch):

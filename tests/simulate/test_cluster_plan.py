@@ -305,6 +305,8 @@ def test_the_search_table_shows_each_layout_tried_fitting_fastest_first_and_the_
     assert " ".join(" ".join(below).split()) == "fastest that fits: " + tried[0].plan.command(flags)
     console.print(search_table([one for one in tried if not one.fits], flags))
     assert console.export_text().rstrip().endswith("no layout fits")
+    console.print(search_table(tried))  # the first 20 of the 21 by default
+    assert sum(line.startswith("│") for line in console.export_text().splitlines()) == 20
 
 
 @pytest.mark.parametrize(
