@@ -307,6 +307,11 @@ def test_the_search_table_shows_each_layout_tried_fitting_fastest_first_and_the_
     assert console.export_text().rstrip().endswith("no layout fits")
     console.print(search_table(tried))  # the first 20 of the 21 by default
     assert sum(line.startswith("│") for line in console.export_text().splitlines()) == 20
+    plan = tried[0].plan  # data that are not tokens: no tokens/s
+    untimed = dataclasses.replace(plan, time=dataclasses.replace(plan.time, tokens_per_s_per_gpu=None))
+    console.print(search_table([dataclasses.replace(tried[0], plan=untimed)]))
+    rows = [line.split("│") for line in console.export_text().splitlines() if line.startswith("│")]
+    assert [row[-2].strip() for row in rows] == [""]
 
 
 @pytest.mark.parametrize(
