@@ -202,9 +202,14 @@ def test_export_pretrained_writes_the_adapter_by_default_from_the_weights_chosen
         CheckpointError, match=f"^checkpoint {checkpoint}: its adapter was trained on another"
     ):
         export_pretrained(another_base().model, checkpoint, tmp_path / "other")
-    with pytest.raises(CheckpointError, match=f"^checkpoint {checkpoint}: the adapter's weights do not fit"):
+    first = next(iter(load_checkpoint(checkpoint)["model"]))
+    fits_not = rf"^checkpoint {checkpoint}: the adapter's weights do not fit task\.model\(\): "
+    with pytest.raises(CheckpointError, match=fits_not + rf"1 missing, 0 unexpected \(first: {first}\)$"):
         first_left_out = lambda weights, callbacks: dict(list(weights.items())[1:])  # noqa: E731
         export_pretrained(TinyLlamaLoRA().model, checkpoint, tmp_path / "short", choose=first_left_out)
+    with pytest.raises(CheckpointError, match=fits_not + ".*size mismatch for " + first):
+        cut = lambda weights, callbacks: {n: v[:1] if n == first else v for n, v in weights.items()}  # noqa: E731
+        export_pretrained(TinyLlamaLoRA().model, checkpoint, tmp_path / "cut", choose=cut)
     with pytest.raises(CheckpointError, match=f"^checkpoint {checkpoint} holds an adapter only"):
         export_pretrained(TinyLlamaLoRA().base, checkpoint, tmp_path / "base")
     with pytest.raises(ConfigError, match=r"^invalid out=.*notes\.txt'?: is a file; give a folder$"):

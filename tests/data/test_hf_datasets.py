@@ -183,6 +183,10 @@ def test_a_stream_with_a_shuffle_buffer_anywhere_is_read_again_on_resume():
     assert resumes_exactly(plain) and resumes_exactly(datasets.interleave_datasets([plain, plain]))
     assert not resumes_exactly(shuffled) and not resumes_exactly(shuffled.map(lambda row: row))
     assert not resumes_exactly(datasets.interleave_datasets([plain, shuffled]))
+    from types import SimpleNamespace
+
+    assert not resumes_exactly(SimpleNamespace(_shuffling=object()))  # as datasets before 5 marks it
+    assert resumes_exactly(SimpleNamespace())
 
 
 def test_a_dict_of_splits_or_a_stream_split_by_node_is_refused_in_one_line():
