@@ -183,10 +183,27 @@ def test_a_stream_with_a_shuffle_buffer_anywhere_is_read_again_on_resume():
     assert resumes_exactly(plain) and resumes_exactly(datasets.interleave_datasets([plain, plain]))
     assert not resumes_exactly(shuffled) and not resumes_exactly(shuffled.map(lambda row: row))
     assert not resumes_exactly(datasets.interleave_datasets([plain, shuffled]))
+    assert not resumes_exactly(datasets.interleave_datasets([shuffled, plain]))
     from types import SimpleNamespace
 
     assert not resumes_exactly(SimpleNamespace(_shuffling=object()))  # as datasets before 5 marks it
     assert resumes_exactly(SimpleNamespace())
+
+
+def test_a_stream_resumed_from_its_state_saves_that_state_until_it_reads_its_next_block(monkeypatch):
+    """A snapshot is the state at the start of the block being read and the rows of it already given:
+    a reader restored from a snapshot, saved again before its next block, saves the same snapshot."""
+    monkeypatch.setattr("leantrain.data.hf.ROWS_PER_READ", 8)
+    stream = HFTask("stream", shards=2).train_data()
+    first = stream_rows(stream, "train_data", 0)
+    ids = [int(next(first)["id"]) for _ in range(10)]
+    saved = first.snapshot()
+    assert saved["skip"] == 2  # 2 rows of the second block given
+    again = stream_rows(stream, "train_data", 0, saved["state"])
+    assert [int(next(again)["id"]) for _ in range(2)] == ids[8:]
+    assert again.snapshot() == saved
+    third = stream_rows(stream, "train_data", 0, saved["state"])
+    assert [int(next(third)["id"]) for _ in range(8)] == ids[8:] + [int(next(first)["id"]) for _ in range(6)]
 
 
 def test_a_dict_of_splits_or_a_stream_split_by_node_is_refused_in_one_line():
