@@ -224,15 +224,15 @@ def test_a_dict_of_splits_or_a_stream_split_by_node_is_refused_in_one_line():
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_failing_row_names_its_block_of_rows_and_the_epoch(workers):
     def corrupt(row: dict) -> dict:
-        if row["id"] == 70:
+        if row["id"] == 140:
             raise ValueError("corrupt record")
         return row
 
-    table = datasets.Dataset.from_dict(columns(96))
+    table = datasets.Dataset.from_dict(columns(192))
     stream = torch_rows(table.to_iterable_dataset().map(corrupt), "train_data")
     with pytest.raises(lt.DataError) as caught:
-        stream_batches(stream, BatchSplit(global_batch_size=16, micro_batch_size=8), 6, 0, workers)
-    block = f"{ROWS_PER_READ}-{2 * ROWS_PER_READ - 1}"  # row 70 is in the second block read
+        stream_batches(stream, BatchSplit(global_batch_size=16, micro_batch_size=8), 10, 0, workers)
+    block = f"{2 * ROWS_PER_READ}-{3 * ROWS_PER_READ - 1}"  # row 140 is in the third block read
     failed = "reading them failed: ValueError: corrupt record"
     assert str(caught.value) == f"train_data items {block} of epoch 0: {failed}"
 
