@@ -31,6 +31,9 @@ from leantrain.errors import DataError, TaskError
 
 # Rows a stream's reader formats at a time. A failing read names this block of rows.
 ROWS_PER_READ = 64
+# The example iterables of a stream looked at for a shuffle buffer: a stream of many sources and steps
+# has dozens.
+MAX_STREAM_CHAIN = 1000
 # Map-style formats whose rows ``default_collate`` batches as they are (``custom``: with_transform).
 KEPT_FORMATS = ("torch", "numpy", "custom")
 
@@ -111,9 +114,6 @@ def resumes_exactly(dataset: Any) -> bool:
             return False
         pending += [getattr(node, "ex_iterable", None), *(getattr(node, "ex_iterables", None) or [])]
     return False  # a chain longer than any datasets builds: read again rather than trust the state
-
-
-MAX_STREAM_CHAIN = 1000  # example iterables looked at: a stream of many sources and steps has dozens
 
 
 class StreamRows:
