@@ -188,6 +188,12 @@ def test_a_stream_with_a_shuffle_buffer_anywhere_is_read_again_on_resume():
 
     assert not resumes_exactly(SimpleNamespace(_shuffling=object()))  # as datasets before 5 marks it
     assert resumes_exactly(SimpleNamespace())
+    from leantrain.data.hf import MAX_STREAM_CHAIN
+
+    chain = None
+    for _ in range(MAX_STREAM_CHAIN + 1):  # longer than the walk goes: not trusted
+        chain = SimpleNamespace(ex_iterable=chain)
+    assert not resumes_exactly(SimpleNamespace(_ex_iterable=chain))
 
 
 def test_a_stream_resumed_from_its_state_saves_that_state_until_it_reads_its_next_block(monkeypatch):
