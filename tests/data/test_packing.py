@@ -264,6 +264,36 @@ def test_the_log_line_counts_what_packing_leaves_out_and_a_document_that_fails_l
         packed[len(packed) + 2]  # epoch 1, row 2: document 1, tokens 3-6
 
 
+def test_numpy_documents_pack_as_tensors_and_labels_must_have_the_shape_of_their_ids():
+    import numpy as np
+
+    tensors = [torch.arange(5), {"input_ids": torch.arange(7), "labels": torch.arange(7) + 100}]
+    arrays = [np.arange(5), {"input_ids": np.arange(7), "labels": np.arange(7) + 100}]
+    as_tensors = PackedDocuments(Items(tensors), 4, 0, False, "train_data")
+    as_arrays = PackedDocuments(Items(arrays), 4, 0, False, "train_data")
+    for row in range(len(as_tensors)):
+        for key, value in as_tensors[row].items():
+            assert torch.equal(as_arrays[row][key], value), (row, key)
+    expected = (
+        r"^pack_length packs token sequences: train_data item 0 is .*; return a 1-D integer tensor, or a "
+        r"dict with a 1-D integer input_ids and optional labels of its shape$"
+    )
+    for labels in (torch.arange(4), [0, 1, 2, 3, 4]):  # another shape; not a tensor
+        with pytest.raises(TaskError, match=expected):
+            PackedDocuments(
+                Items([{"input_ids": torch.arange(5), "labels": labels}]), 4, 0, False, "train_data"
+            )
+
+    class Unreadable(Items):
+        def __getitem__(self, index: int):
+            if index == 1:
+                raise KeyError(index)
+            return self.items[index]
+
+    with pytest.raises(DataError, match=r"^train_data item 1 failed: KeyError: 1$"):
+        PackedDocuments(Unreadable(tensors), 4, 0, False, "train_data")
+
+
 def test_padding_share_counts_masked_positions_or_ignored_labels():
     padded = {"input_ids": torch.zeros(8), "attention_mask": torch.tensor([1, 1, 1, 0, 0, 0, 0, 0])}
     labelled = {"input_ids": torch.zeros(4), "labels": torch.tensor([1, 2, -100, -100])}
