@@ -140,6 +140,22 @@ def test_nesting_is_counted_with_the_aliases_expanded(in_tmp):
     assert f"nests deeper than {MAX_DEPTH} levels once alias *a (line 2) is expanded" in line
 
 
+def test_a_yaml_error_is_one_line_with_its_line_and_problem_or_its_first_twelve_words():
+    import yaml
+
+    from leantrain.bounded_read import _not_yaml
+
+    words = " ".join(f"w{n}" for n in range(20))
+    bare = _not_yaml(yaml.YAMLError(f"{words}\n  more"), "config", "c.yaml")
+    assert str(bare) == f"invalid config='c.yaml': is not valid YAML: {' '.join(words.split()[:12])}"
+    mark = yaml.Mark("c.yaml", 0, 6, 0, None, None)  # the 7th line
+    marked = yaml.MarkedYAMLError(problem="found a tab", problem_mark=mark)
+    assert (
+        str(_not_yaml(marked, "config", "c.yaml"))
+        == "invalid config='c.yaml': is not valid YAML at line 7: found a tab"
+    )
+
+
 def test_the_depth_and_value_bounds_are_inclusive(tmp_path):
     (tmp_path / "deep.yaml").write_text(nested(MAX_DEPTH))
     assert load_yaml(tmp_path / "deep.yaml", "config")["a"] is not None
