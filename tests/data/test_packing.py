@@ -299,3 +299,4 @@ def test_padding_share_counts_masked_positions_or_ignored_labels():
     labelled = {"input_ids": torch.zeros(4), "labels": torch.tensor([1, 2, -100, -100])}
     assert padding_share([padded, labelled]) == pytest.approx(7 / 12)
     assert padding_share([torch.zeros(3)]) is None
+    assert padding_share([{"input_ids": torch.zeros(0)}]) is None  # no position computed: no share
