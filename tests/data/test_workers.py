@@ -53,6 +53,7 @@ def test_auto_gives_each_process_its_share_of_the_cpus(cpus, processes, workers)
 def test_auto_prefetch_keeps_two_steps_in_flight():
     assert auto_prefetch(workers=2, accumulation_steps=4) == 4
     assert auto_prefetch(workers=8, accumulation_steps=1) == 2
+    assert auto_prefetch(workers=1, accumulation_steps=4) == 8  # one worker loads both steps ahead
 
 
 def test_tune_candidates_go_up_to_the_share_of_the_cpus():
