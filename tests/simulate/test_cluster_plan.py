@@ -86,7 +86,7 @@ def test_the_table_gives_memory_by_kind_the_modelled_time_and_the_launch_line(ca
 
 def test_the_plan_table_holds_each_figure_of_the_plan():
     from leantrain.simulate.cluster_plan import CUDA_CONTEXT_BYTES
-    from leantrain.simulate.report import KINDS, plan_notes, plan_table
+    from leantrain.simulate.report import KINDS, _seconds, plan_notes, plan_table
 
     cfg = TrainConfig(global_batch_size=8, micro_batch_size=2, compile="blocks")
     plan = plan_cluster(tiny_charlm(), cfg, parse_cluster("1x2x1GiB"))
@@ -109,6 +109,11 @@ def test_the_plan_table_holds_each_figure_of_the_plan():
     assert rows["live tensors"] == format_bytes(plan.peak["Total"])
     assert rows["reserved (allocator +10%, modelled)"] == format_bytes(plan.reserved_bytes)
     assert rows["CUDA context (assumed)"] == format_bytes(CUDA_CONTEXT_BYTES)
+    time = plan.time
+    assert (rows["step (modelled)"], rows["compute"]) == (_seconds(time.step_s), _seconds(time.compute_s))
+    exposed = f"{_seconds(time.exposed_communication_s)} of {_seconds(time.communication_s)}"
+    assert rows["communication, exposed of all"] == exposed
+    assert rows["tokens/s per GPU (modelled)"] == f"{time.tokens_per_s_per_gpu:,.0f}"
     free = plan.cluster.memory_bytes - plan.reserved_bytes - CUDA_CONTEXT_BYTES
     verdict = "fits" if plan.fits else "does NOT fit"
     assert rows[f"{verdict}: GPU 1.0 GiB"] == f"{format_bytes(free)} free"
