@@ -6,7 +6,12 @@ rich reads ``[...]`` as markup: a compiler's reason with ``[/tmp/x]`` in it made
 
 from __future__ import annotations
 
+import functools
 import os
+import pickle
+import re
+import subprocess
+import sys
 
 from rich.console import Console
 
@@ -14,7 +19,7 @@ from leantrain.diagnose.advice import Advice, CompileTrial, RunFacts
 from leantrain.diagnose.doctor import Diagnosis
 from leantrain.diagnose.flops import PeakFlops
 from leantrain.diagnose.probe import Schedule
-from leantrain.diagnose.report import compile_trial_line, flops_line, headline, print_report
+from leantrain.diagnose.report import compile_trial_line, flops_line, headline, print_report, render_html
 from leantrain.diagnose.syncs import HostSync, RetainedGraph
 from leantrain.diagnose.timer import PHASES
 from leantrain.memory.accountant import MemoryBreakdown
@@ -177,3 +182,26 @@ def test_places_are_shown_relative_to_the_working_folder_when_below_it(tmp_path,
     assert _short_where(f"{tmp_path / 'model.py'}:41") == "model.py:41"
     assert _short_where(f"{tmp_path / 'c:d.py'}:7") == "c:d.py:7"  # the line number after the last colon
     assert _short_where("<eval_with_key>") == "<eval_with_key>"  # no file and line: as it is
+
+
+def test_the_html_page_is_utf8_in_a_new_folder_whatever_the_locale(tmp_path):
+    """A container's C locale, where Python does not coerce it, writes text files as ASCII: a compiler's
+    reason naming ``café.py`` must still reach the page, in a folder that is not there yet."""
+    d = diagnosis(compiler_events=[CompilerEvent("graph break", "model.py:41", "reads café.py", 1)])
+    (tmp_path / "diagnosis.pkl").write_bytes(pickle.dumps(d))
+    page = tmp_path / "new" / "folder" / "report.html"
+    code = (
+        "import pickle, sys; from leantrain.diagnose.report import write_html; "
+        "write_html(pickle.load(open(sys.argv[1], 'rb')), sys.argv[2])"
+    )
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    for _ in range(2):  # the second time over the first page
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / "diagnosis.pkl"), str(page)],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    # The charts aside (matplotlib dates them and names their clip paths at random), the page as rendered.
+    text = functools.partial(re.sub, r"<svg.*?</svg>", "", flags=re.DOTALL)
+    assert text(page.read_bytes().decode("utf-8")) == text(render_html(d))
+    assert "reads café.py" in text(render_html(d))
