@@ -263,6 +263,17 @@ def test_the_log_line_counts_what_packing_leaves_out_and_a_document_that_fails_l
     ):
         packed[len(packed) + 2]  # epoch 1, row 2: document 1, tokens 3-6
 
+    class Changing(Items):  # measured whole once, then floats: each read is checked again
+        reads = 0
+
+        def __getitem__(self, index: int):
+            Changing.reads += 1
+            return self.items[index].float() if Changing.reads > len(self.items) else self.items[index]
+
+    packed = PackedDocuments(Changing(documents), 4, 0, False, "train_data")
+    with pytest.raises(TaskError, match=r"^pack_length packs token sequences: train_data item 1 is "):
+        packed[2]  # row 2: document 1 alone
+
 
 def test_numpy_documents_pack_as_tensors_and_labels_must_have_the_shape_of_their_ids():
     import numpy as np
