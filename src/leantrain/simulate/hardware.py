@@ -59,13 +59,9 @@ class GpuKind:
     note: str = ""
 
 
-def _tflops(bf16: float, tf32: float, fp32: float) -> dict[str, float]:
-    return {"bf16_flops": bf16 * TERA, "tf32_flops": tf32 * TERA, "fp32_flops": fp32 * TERA}
-
-
 H100_SXM = GpuKind(
-    "h100-sxm", 80 * GiB, **_tflops(989, 495, 67), hbm_bytes_per_s=3.35e12,
-    intra_node_bytes_per_s=450 * GB, inter_node_bytes_per_s=NDR_400G,
+    "h100-sxm", 80 * GiB, bf16_flops=989 * TERA, tf32_flops=495 * TERA, fp32_flops=67 * TERA,
+    hbm_bytes_per_s=3.35e12, intra_node_bytes_per_s=450 * GB, inter_node_bytes_per_s=NDR_400G,
     source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column), https://www.nvidia.com/en-us/data-center/h100/",
     note="NVLink 4: 900 GB/s per GPU both directions together, 450 one way",
 )  # fmt: skip
@@ -75,44 +71,44 @@ KINDS: dict[str, GpuKind] = {
     for kind in (
         H100_SXM,
         GpuKind(
-            "h100-pcie", 80 * GiB, **_tflops(756, 378, 51), hbm_bytes_per_s=2.0e12,
-            intra_node_bytes_per_s=64 * GB, inter_node_bytes_per_s=NDR_400G,
+            "h100-pcie", 80 * GiB, bf16_flops=756 * TERA, tf32_flops=378 * TERA, fp32_flops=51 * TERA,
+            hbm_bytes_per_s=2.0e12, intra_node_bytes_per_s=64 * GB, inter_node_bytes_per_s=NDR_400G,
             source="NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe column), https://www.nvidia.com/en-us/data-center/h100/",
             note="a ring of 8 cards runs at PCIe Gen5 x16 (64 GB/s one way): NVLink bridges join pairs only",
         ),
         GpuKind(
-            "h200", 141 * GiB, **_tflops(989, 495, 67), hbm_bytes_per_s=4.8e12,
-            intra_node_bytes_per_s=450 * GB, inter_node_bytes_per_s=NDR_400G,
+            "h200", 141 * GiB, bf16_flops=989 * TERA, tf32_flops=495 * TERA, fp32_flops=67 * TERA,
+            hbm_bytes_per_s=4.8e12, intra_node_bytes_per_s=450 * GB, inter_node_bytes_per_s=NDR_400G,
             source="NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column), https://www.nvidia.com/en-us/data-center/h200/",
             note="nvidia-smi shows 143,771 MiB (140.4 GiB); NVLink 4 as the H100 SXM",
         ),
         GpuKind(
-            "a100-80gb", 80 * GiB, **_tflops(312, 156, 19.5), hbm_bytes_per_s=2.039e12,
-            intra_node_bytes_per_s=300 * GB, inter_node_bytes_per_s=HDR_200G,
+            "a100-80gb", 80 * GiB, bf16_flops=312 * TERA, tf32_flops=156 * TERA, fp32_flops=19.5 * TERA,
+            hbm_bytes_per_s=2.039e12, intra_node_bytes_per_s=300 * GB, inter_node_bytes_per_s=HDR_200G,
             source="NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column), https://www.nvidia.com/en-us/data-center/a100/",
             note="NVLink 3: 600 GB/s both directions, 300 one way; network: a DGX A100's 200 Gb/s per GPU",
         ),
         GpuKind(
-            "a100-40gb", 40 * GiB, **_tflops(312, 156, 19.5), hbm_bytes_per_s=1.555e12,
-            intra_node_bytes_per_s=300 * GB, inter_node_bytes_per_s=HDR_200G,
+            "a100-40gb", 40 * GiB, bf16_flops=312 * TERA, tf32_flops=156 * TERA, fp32_flops=19.5 * TERA,
+            hbm_bytes_per_s=1.555e12, intra_node_bytes_per_s=300 * GB, inter_node_bytes_per_s=HDR_200G,
             source="NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM column), https://www.nvidia.com/en-us/data-center/a100/",
             note="NVLink 3 as the A100 80GB; network as a DGX A100",
         ),
         GpuKind(
-            "l40s", 48 * GiB, **_tflops(362, 183, 91.6), hbm_bytes_per_s=864 * GB,
-            intra_node_bytes_per_s=32 * GB, inter_node_bytes_per_s=HDR_200G,
+            "l40s", 48 * GiB, bf16_flops=362 * TERA, tf32_flops=183 * TERA, fp32_flops=91.6 * TERA,
+            hbm_bytes_per_s=864 * GB, intra_node_bytes_per_s=32 * GB, inter_node_bytes_per_s=HDR_200G,
             source="NVIDIA L40S datasheet, https://www.nvidia.com/en-us/data-center/l40s/",
             note="GDDR6, not HBM; no NVLink: PCIe Gen4 x16 (32 GB/s one way); network: 200 Gb/s per GPU",
         ),
         GpuKind(
-            "b200", 180 * GB, **_tflops(2250, 1125, 75), hbm_bytes_per_s=8e12,
-            intra_node_bytes_per_s=900 * GB, inter_node_bytes_per_s=NDR_400G,
+            "b200", 180 * GB, bf16_flops=2250 * TERA, tf32_flops=1125 * TERA, fp32_flops=75 * TERA,
+            hbm_bytes_per_s=8e12, intra_node_bytes_per_s=900 * GB, inter_node_bytes_per_s=NDR_400G,
             source="NVIDIA HGX B200 specifications (8-GPU figures / 8, sparse / 2), https://www.nvidia.com/en-us/data-center/hgx/",
             note="HGX B200: 1.4 TB for 8 GPUs (180 GB each); NVLink 5: 1.8 TB/s both directions, 900 one way",
         ),
         GpuKind(
-            "mi300x", 192 * GB, **_tflops(1307.4, 653.7, 163.4), hbm_bytes_per_s=5.3e12,
-            intra_node_bytes_per_s=448 * GB, inter_node_bytes_per_s=NDR_400G,
+            "mi300x", 192 * GB, bf16_flops=1307.4 * TERA, tf32_flops=653.7 * TERA, fp32_flops=163.4 * TERA,
+            hbm_bytes_per_s=5.3e12, intra_node_bytes_per_s=448 * GB, inter_node_bytes_per_s=NDR_400G,
             source="AMD Instinct MI300X datasheet, https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html",
             note="Infinity Fabric: 7 links x 64 GB/s one way to the other 7 GPUs (RCCL rings use them all)",
         ),
