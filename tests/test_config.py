@@ -104,3 +104,25 @@ def test_type_descriptions_for_help_and_errors():
     assert describe_type(HINTS["micro_batch_size"]) == "an integer, auto or null"
     assert metavar(HINTS["micro_batch_size"]) == "INT|{auto}|null"
     assert metavar(HINTS["precision"]) == "{32,bf16-mixed,16-mixed,bf16-true,16-true}"
+
+
+def test_fit_help_shows_every_fields_help_under_its_groups_heading(monkeypatch):
+    import dataclasses
+    import itertools
+
+    from leantrain.cli import _fit_parser, flag
+    from leantrain.config import GROUPS
+
+    monkeypatch.setenv("COLUMNS", "2000")  # one line per flag: a help is not cut at a hyphen
+    text = _fit_parser().format_help()
+    starts = {key: text.index(f"\n{title}:\n") for key, title in GROUPS.items()}
+    ends = dict(zip(sorted(starts, key=starts.get), [*sorted(starts.values())[1:], len(text)], strict=True))
+    for field in dataclasses.fields(lt.TrainConfig):
+        group, help = field.metadata["group"], field.metadata["help"]
+        lines = text[starts[group] : ends[group]].splitlines()
+        first = next(i for i, line in enumerate(lines) if line.lstrip().startswith(flag(field.name) + " "))
+        shown = lines[first] + " ".join(
+            itertools.takewhile(lambda line: not line.startswith("  -"), lines[first + 1 :])
+        )
+        if field.name != "strategy":  # its help lists the registered strategies
+            assert isinstance(help, str) and f" {help}" in " ".join(shown.split()), field.name

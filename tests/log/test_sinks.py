@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_file_loader import RawEventFileL
 from tensorboard.compat.proto import event_pb2
 
 from leantrain.log.sinks import CSVSink, TensorBoardSink, tensorboard_tag
-from leantrain.log.tfevents import EventFileWriter, crc32c
+from leantrain.log.tfevents import Crc32c, EventFileWriter
 
 
 def test_csv_gains_late_columns_without_losing_rows(tmp_path):
@@ -91,6 +91,7 @@ def test_a_resumed_run_hides_what_the_interrupted_run_logged_after_its_checkpoin
 
 
 def test_crc32c_is_the_castagnoli_checksum():
+    crc32c = Crc32c()
     assert crc32c(b"123456789") == 0xE3069283  # the standard check value of CRC-32C
     assert crc32c(b"") == 0
 

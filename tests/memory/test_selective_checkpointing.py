@@ -20,7 +20,7 @@ from leantrain.blocks import BlockPolicy, matching_blocks
 from leantrain.diagnose import run_doctor
 from leantrain.examples.charlm import CharLMTask
 from leantrain.memory.estimate import estimate_memory
-from leantrain.memory.recompute import _keep_matmuls, apply_activation_checkpointing
+from leantrain.memory.recompute import _KeepMatmuls, apply_activation_checkpointing
 from tests.conftest import quiet_config, without_validation
 
 SETTINGS = dict(global_batch_size=8, micro_batch_size=4, max_steps=3)  # 2 micro-batches per step
@@ -67,8 +67,18 @@ def test_the_policy_keeps_products_and_collectives_and_recomputes_the_rest():
     keep, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
     ctx = type("Context", (), {"op_output": None})()
     aten = torch.ops.aten
+    _keep_matmuls = _KeepMatmuls()
     for op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default):
         assert _keep_matmuls(ctx, op) == keep, op
+    # fp8's product and the attention kernels SDPA dispatches to, each one this torch has
+    kernels = ["_scaled_mm", "_scaled_dot_product_attention_math"] + [
+        f"_scaled_dot_product_{kind}" for kind in ("flash_attention", "flash_attention_for_cpu",
+        "efficient_attention", "cudnn_attention", "fused_attention_overrideable")
+    ]  # fmt: skip
+    assert hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu")  # the one this machine runs
+    for name in kernels:
+        if hasattr(aten, name):
+            assert _keep_matmuls(ctx, getattr(aten, name).default) == keep, name
     for op in (aten.gelu.default, aten.native_layer_norm.default, aten.native_dropout.default):
         assert _keep_matmuls(ctx, op) == recompute, op
     assert _keep_matmuls(ctx, torch.ops._c10d_functional.all_reduce.default) == keep

@@ -19,42 +19,39 @@ import struct
 import time
 from pathlib import Path
 
-# CRC-32C (Castagnoli), reflected polynomial; the table of every byte's remainder.
-_CASTAGNOLI = 0x82F63B78
-
-
-def _crc_table() -> list[int]:
-    table = []
-    for byte in range(256):
-        crc = byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ _CASTAGNOLI if crc & 1 else crc >> 1
-        table.append(crc)
-    return table
-
-
-_TABLE = _crc_table()
+_CASTAGNOLI = 0x82F63B78  # CRC-32C's polynomial, reflected
 # Numbers this process's event files: two writers in one second must not share a file.
 _FILE_NUMBERS = itertools.count()
 
 
-def crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc = _TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
+class Crc32c:
+    """The CRC-32C (Castagnoli) checksum, by a table of every byte's remainder. The table is made with
+    each writer, not at import: code run at import is out of the mutation check's reach
+    (tests/MUTATION.md), and a run that logs no TensorBoard scalars never needs it."""
 
+    def __init__(self) -> None:
+        self.table = []
+        for byte in range(256):
+            crc = byte
+            for _ in range(8):
+                crc = (crc >> 1) ^ _CASTAGNOLI if crc & 1 else crc >> 1
+            self.table.append(crc)
 
-def masked_crc32c(data: bytes) -> int:
-    """TFRecord's checksum: the CRC rotated right by 15 bits plus a constant (mod 2**32)."""
-    crc = crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+    def __call__(self, data: bytes) -> int:
+        crc = 0xFFFFFFFF
+        for byte in data:
+            crc = self.table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+        return crc ^ 0xFFFFFFFF
 
+    def masked(self, data: bytes) -> int:
+        """TFRecord's checksum: the CRC rotated right by 15 bits plus a constant (mod 2**32)."""
+        crc = self(data)
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
-def record(data: bytes) -> bytes:
-    """One TFRecord: the length and its checksum, the data and its checksum."""
-    length = struct.pack("<Q", len(data))
-    return length + struct.pack("<I", masked_crc32c(length)) + data + struct.pack("<I", masked_crc32c(data))
+    def record(self, data: bytes) -> bytes:
+        """One TFRecord: the length and its checksum, the data and its checksum."""
+        length = struct.pack("<Q", len(data))
+        return length + struct.pack("<I", self.masked(length)) + data + struct.pack("<I", self.masked(data))
 
 
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -125,6 +122,7 @@ class EventFileWriter:
         number = next(_FILE_NUMBERS)
         name = f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.{number}"
         self.path = log_dir / name
+        self._crc = Crc32c()
         self._file = self.path.open("xb")
         self._write(event(now, 0, file_version()))
         if restart_step is not None:
@@ -137,7 +135,7 @@ class EventFileWriter:
         self._file.flush()
 
     def _write(self, data: bytes) -> None:
-        self._file.write(record(data))
+        self._file.write(self._crc.record(data))
 
     def close(self) -> None:
         self._file.close()

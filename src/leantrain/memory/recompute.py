@@ -32,6 +32,7 @@ does), unless its class declares that it only reads the cache.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -44,45 +45,43 @@ from leantrain.blocks import BlockPolicy, matching_blocks
 from leantrain.errors import ConfigError
 from leantrain.memory.accountant import count_held_for_backward
 
-
-def _kept_ops() -> frozenset[Any]:
-    """The matrix products selective checkpointing keeps (those this torch has), as op packets."""
-    names = (
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "_scaled_mm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_fused_attention_overrideable",
-        # Composite (decomposed before dispatch) in the torch this was written on; kept if one is not.
-        "_scaled_dot_product_attention_math",
-    )
-    return frozenset(getattr(torch.ops.aten, name) for name in names if hasattr(torch.ops.aten, name))
-
-
-_KEPT_OPS = _kept_ops()
 # Functional collectives (DTensor's, tensor parallelism's): recomputing one is communication spent
 # twice, and a hang when ranks recompute different ones.
 _COLLECTIVES = frozenset({"_c10d_functional", "_c10d_functional_autograd"})
 
 
-def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective checkpointing's policy: keep matrix products and collectives, recompute the rest."""
-    kept = getattr(op, "overloadpacket", None) in _KEPT_OPS or getattr(op, "namespace", None) in _COLLECTIVES
-    if not kept:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    for tensor in tree_leaves(getattr(ctx, "op_output", None)):
-        if isinstance(tensor, torch.Tensor):
-            count_held_for_backward(tensor)
-    return CheckpointPolicy.MUST_SAVE
+class _KeepMatmuls:
+    """Selective checkpointing's policy: keep matrix products and collectives, recompute the rest. The
+    products' op packets are looked up with each checkpointed module (not at import, where the mutation
+    check cannot reach: tests/MUTATION.md)."""
 
+    def __init__(self) -> None:
+        # The matrix products kept, by name: those this torch has.
+        names = (
+            "mm",
+            "addmm",
+            "bmm",
+            "baddbmm",
+            "_scaled_mm",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_fused_attention_overrideable",
+            # Composite (decomposed before dispatch) in the torch this was written on; kept if one is not.
+            "_scaled_dot_product_attention_math",
+        )
+        aten = torch.ops.aten
+        self.kept = frozenset(getattr(aten, name) for name in names if hasattr(aten, name))
 
-def _selective_contexts() -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(_keep_matmuls)
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        kept = getattr(op, "overloadpacket", None) in self.kept
+        if not (kept or getattr(op, "namespace", None) in _COLLECTIVES):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        for tensor in tree_leaves(getattr(ctx, "op_output", None)):
+            if isinstance(tensor, torch.Tensor):
+                count_held_for_backward(tensor)
+        return CheckpointPolicy.MUST_SAVE
 
 
 class _Recomputed:
@@ -91,8 +90,11 @@ class _Recomputed:
     def __init__(self, module: nn.Module, selective: bool = False) -> None:
         self.module = module
         self.forward = module.forward
-        # Checkpoint's default (no context) unless selective: keep the products, recompute the rest.
-        self.context: dict[str, Any] = {"context_fn": _selective_contexts} if selective else {}
+        self.context: dict[str, Any] = {}  # checkpoint's default unless selective
+        if selective:  # keep the products, recompute the rest
+            self.context["context_fn"] = functools.partial(
+                create_selective_checkpoint_contexts, _KeepMatmuls()
+            )
         # The arguments a recomputed forward is not given (looked up once, not per call).
         self.cache = None if getattr(module, "_can_checkpoint_with_cache", False) else _cache_class()
 
