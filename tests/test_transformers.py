@@ -108,7 +108,7 @@ def test_the_doctor_finds_a_transformers_model_compute_bound_and_no_host_syncs_i
 
 
 def test_the_weights_load_back_into_a_fresh_model_and_export_as_a_transformers_folder(fit, tmp_path, capsys):
-    result = fit(tiny("gpt2", layers=2), **SETTINGS)
+    result = fit(tiny("gpt2", layers=2), **SETTINGS, ema_decay=0.5)
     exported = weights(result)
     assert "transformer.wte.weight" in exported and "lm_head.weight" not in exported  # tied: once
     fresh = lt.load_weights(tiny("gpt2", layers=2).model(), result.out_dir / "model.safetensors")
@@ -130,6 +130,42 @@ def test_the_weights_load_back_into_a_fresh_model_and_export_as_a_transformers_f
     written = [result.out_dir / "model.safetensors", *folder.iterdir()]
     summary_mode = (result.out_dir / "summary.json").stat().st_mode & 0o777
     assert {path.stat().st_mode & 0o777 for path in written} == {summary_mode}
+    # --weights ema: the run's weight average, as ema.safetensors holds it
+    averaged = [*arguments[:2], str(tmp_path / "averaged"), *arguments[3:], "--task", f"{__name__}:tiny_gpt2"]
+    assert cli.main([*averaged, "--weights", "ema"]) == 0
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "averaged").state_dict()
+    average = load_file(result.out_dir / "ema.safetensors")
+    # the bug: the checkpoint's lm_head.weight (the trained embedding, tied) loaded over the average
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in average.items())
+    assert not all(torch.equal(average[name], tensor) for name, tensor in exported.items())
+    # an error in the task's model() keeps its type and says where it was raised
+    with pytest.raises(RuntimeError, match=r"^no model here") as failed:
+        cli.main([*averaged[:-1], f"{__name__}:model_fails"])
+    assert failed.value.__notes__ == ["leantrain: raised in task.model()"]
+
+
+def test_export_flags_that_do_not_go_together_are_one_line_each(tmp_path, capsys):
+    checkpoint = str(tmp_path / "step-00000001.pt")  # not read: the flags are refused before
+    assert cli.main(["export", checkpoint, str(tmp_path / "a"), "--merge"]) == 2
+    assert capsys.readouterr().err == (
+        "leantrain: error: invalid merge=True: needs --format transformers (and the task that made the "
+        "base)\n"
+    )
+    assert cli.main(["export", checkpoint, str(tmp_path / "b"), "--format", "transformers"]) == 2
+    assert capsys.readouterr().err == (
+        "leantrain: error: export --format transformers needs --task or --example: the model to fill\n"
+    )
+    assert not list(tmp_path.iterdir())
+
+
+def model_fails() -> HFCausalLMTask:
+    task = tiny_gpt2()
+
+    def model():
+        raise RuntimeError("no model here")
+
+    task.model = model
+    return task
 
 
 def tiny_gpt2() -> HFCausalLMTask:

@@ -331,14 +331,16 @@ def load_weights(model: nn.Module, path: Path | str) -> nn.Module:
 
 def _load_tied(model: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:
     """``model.load_state_dict(weights)``, strict, with every name of a tied weight filled from
-    the one that ``weights`` holds."""
+    the one that ``weights`` holds: its first name when it holds that. A checkpoint keeps each name of a
+    tie; ``--weights ema`` replaces the first (the averaged parameter), and the other, loaded after it
+    over the same tensor, must not put the trained value back."""
     aliases = tied_aliases(model)
     for alias, owner in aliases.items():  # a file that kept another name of the tie
         if owner not in weights and alias in weights:
             weights[owner] = weights[alias]
     for alias, owner in aliases.items():
         if owner in weights:
-            weights.setdefault(alias, weights[owner])
+            weights[alias] = weights[owner]
     model.load_state_dict(weights)
     return model
 
