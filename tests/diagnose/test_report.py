@@ -6,6 +6,7 @@ rich reads ``[...]`` as markup: a compiler's reason with ``[/tmp/x]`` in it made
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import pickle
@@ -136,6 +137,14 @@ def test_the_compile_trial_nan_origin_advice_and_trace_are_shown_as_they_are():
         "torch.compile trial: --compile blocks took 25.0 ms per step against 37.5 ms eagerly (1.50x) after "
         "12.5 s of compiling: advised"
     )
+    # at the threshold (1.03x) it is advised, a hair under it not
+    at = diagnosis(phases={**d.phases, "total": 1.03}, compile_trial=CompileTrial("model", 1.0, 3.0))
+    assert compile_trial_line(at) == (
+        "torch.compile trial: --compile model took 1,000.0 ms per step against 1,030.0 ms eagerly (1.03x) "
+        "after 3.0 s of compiling: advised"
+    )
+    under = dataclasses.replace(at, compile_trial=CompileTrial("model", 1.0001, 3.0))
+    assert compile_trial_line(under).endswith("(1.03x) after 3.0 s of compiling: not advised (under 1.03x)")
     assert "non-finite step: non-finite loss at step 3 in [bold]x[/bold]" in lines
     advice = lines[lines.index("1. pin [host] batches") :]
     assert advice[:8] == [
