@@ -34,8 +34,60 @@ def test_the_search_doubles_then_bisects():
     assert search_micro_batch(fits, choices) == 12
     assert tried == [1, 2, 4, 8, 16, 12]  # doubling up to 16 (too big), then between 8 and 16
     assert search_micro_batch(lambda size: True, choices) == 48
-    with pytest.raises(lt.LeantrainError, match="even a micro-batch of 1 does not fit"):
+    tried.clear()
+    assert search_micro_batch(lambda size: tried.append(size) or size <= 10, choices) == 8
+    assert tried == [1, 2, 4, 8, 16, 12]  # 12 does not fit either: 8 is the largest
+    # none twice as large as the last that fits: the next one, then the one after it
+    assert search_micro_batch(lambda size: True, [4, 6]) == 6
+    assert search_micro_batch(lambda size: True, [4, 6, 7]) == 7
+    with pytest.raises(lt.LeantrainError) as error:
         search_micro_batch(lambda size: False, choices)
+    assert str(error.value) == (
+        "even a micro-batch of 1 does not fit in memory: raise memory_budget, use 16-bit precision or "
+        "activation_checkpointing"
+    )
+
+
+def test_the_search_runs_micro_batches_as_training_feeds_them_and_says_what_it_tried():
+    """Its trial batches are collated and cast as the run's are (here bf16 inputs for a bf16 model),
+    a batch that cannot be collated names its items, and the run log gets what was tried."""
+    from leantrain.cluster import ClusterEnv
+    from leantrain.errors import CollateError
+    from leantrain.memory.adaptive import MicroBatchSizer
+    from leantrain.step.precision import make_precision
+
+    task, cpu = RegressionTask(), torch.device("cpu")
+    precision = make_precision("bf16-true", cpu)
+    model = task.model()
+    precision.prepare(model)
+    cfg = lt.TrainConfig(global_batch_size=16, micro_batch_size="auto", memory_budget="1GB")
+    sizer = MicroBatchSizer(task, cfg, precision, model, cpu, ClusterEnv("single"))
+    assert sizer.search(BatchSplit(16, 16), task.train_data()) == 16
+    assert sizer.notes[-1] == "micro_batch_size auto: 16 (tried 1, 2, 4, 8, 16)"
+    uneven = [
+        (torch.zeros(6), torch.zeros(1), torch.ones(1)),
+        (torch.zeros(7), torch.zeros(1), torch.ones(1)),
+    ] * 8
+    with pytest.raises(CollateError, match=r"^train_data items 0 and 1 differ"):
+        sizer.search(BatchSplit(16, 16), uneven)
+
+
+def test_auto_on_a_gpu_needs_no_budget_its_allocator_says_what_does_not_fit(monkeypatch):
+    """Through fakes of the two CUDA calls the search makes here (the allocator's statistics, the copy
+    of each trial batch to the GPU): the CPU plays the GPU."""
+    from leantrain.cluster import ClusterEnv
+    from leantrain.memory import adaptive
+
+    copied = []
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {})
+    monkeypatch.setattr(
+        adaptive, "move_to_device", lambda batch, device, dtype: copied.append(device) or batch
+    )
+    task, gpu = RegressionTask(), torch.device("cuda")
+    cfg = lt.TrainConfig(global_batch_size=16, micro_batch_size="auto")
+    sizer = adaptive.MicroBatchSizer(task, cfg, Fp32(), task.model(), gpu, ClusterEnv("single"))
+    assert sizer.search(BatchSplit(16, 16), task.train_data()) == 16
+    assert copied == [gpu] * 5  # each trial's batch to the GPU: 1, 2, 4, 8, 16
 
 
 def test_halving_takes_the_largest_choice_at_most_half():
@@ -128,8 +180,12 @@ def test_a_restart_hands_the_new_loader_this_processs_position_and_token_counts(
 
 
 def test_auto_on_the_cpu_needs_a_budget_and_a_budget_must_hold_the_weights(fit):
-    with pytest.raises(lt.LeantrainError, match="micro_batch_size auto needs memory_budget on this device"):
+    with pytest.raises(lt.LeantrainError) as error:
         fit(RegressionTask(), global_batch_size=16, micro_batch_size="auto", max_steps=1)
+    assert str(error.value) == (
+        "micro_batch_size auto needs memory_budget on this device: nothing else says how much memory "
+        "there is on cpu"
+    )
     with pytest.raises(lt.LeantrainError, match="memory_budget 1KB is smaller than the parameters"):
         fit(RegressionTask(), global_batch_size=16, memory_budget="1KB", max_steps=1)
 

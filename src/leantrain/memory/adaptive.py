@@ -60,7 +60,6 @@ def search_micro_batch(fits: Callable[[int], bool], choices: Sequence[int]) -> i
             "precision or activation_checkpointing"
         )
     good, bad = 0, len(choices)  # choices[good] fits; choices[bad:] are known not to (or out of range)
-    probe = 1
     while True:  # doubling: the next choice at least twice as large
         larger = [i for i in range(good + 1, bad) if choices[i] >= 2 * choices[good]]
         probe = larger[0] if larger else good + 1
