@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from leantrain.blocks import BlockPolicy, block_classes, matching_blocks
 from leantrain.examples.charlm import CharLMTask
 from leantrain.memory.estimate import estimate_memory, fewest_checkpointed_blocks
 from leantrain.memory.recompute import apply_activation_checkpointing
-from tests.conftest import without_validation
+from tests.conftest import RegressionTask, without_validation
 
 
 def small_charlm(dropout: float = 0.1) -> CharLMTask:
@@ -104,15 +105,15 @@ def test_auto_recomputes_the_fewest_blocks_that_fit_the_budget(fit):
     config = dict(global_batch_size=16, micro_batch_size=8)
     rows = {
         policy: estimate_memory(task, lt.TrainConfig(**config, activation_checkpointing=policy)).chosen
-        for policy in (None, "Block,first:1", "Block,first:2", "Block")
+        for policy in (None, "Block,first:1", "Block,first:2", "Block,first:3", "Block")
     }
-    assert (
-        rows[None].memory.total_bytes
-        > rows["Block,first:1"].memory.total_bytes
-        > rows["Block"].memory.total_bytes
-    )
-    budget = (rows["Block,first:1"].memory.total_bytes + rows["Block,first:2"].memory.total_bytes) // 2
-    assert fewest_checkpointed_blocks(task, lt.TrainConfig(**config), budget) == "Block,first:2"
+    totals = [row.memory.total_bytes for row in rows.values()]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == 5  # each block recomputed saves
+    # a budget between each two: the fewest blocks with which it fits, by name
+    between = [(total + after) // 2 for total, after in itertools.pairwise(totals)]
+    fewest = [fewest_checkpointed_blocks(task, lt.TrainConfig(**config), budget) for budget in between]
+    assert fewest == ["Block,first:1", "Block,first:2", "Block,first:3", "Block"]  # all four: the plain name
+    budget = between[1]
     assert fewest_checkpointed_blocks(task, lt.TrainConfig(**config), rows[None].memory.total_bytes) is None
     # no micro-batch set: each process's share of the global batch (one process unless told)
     assert fewest_checkpointed_blocks(task, lt.TrainConfig(global_batch_size=8), budget) == "Block,first:2"
@@ -127,6 +128,18 @@ def test_auto_recomputes_the_fewest_blocks_that_fit_the_budget(fit):
         lt.LeantrainError, match="does not fit memory_budget 1000 even with all 4 Block blocks"
     ):
         fewest_checkpointed_blocks(task, lt.TrainConfig(**config, memory_budget="1000"), 1000)
+    with pytest.raises(lt.LeantrainError) as error:  # a model without repeated blocks
+        fewest_checkpointed_blocks(
+            OneLayer(), lt.TrainConfig(global_batch_size=16, memory_budget="1000"), 1000
+        )
+    assert str(error.value) == (
+        "activation_checkpointing auto: the model has no repeated blocks to recompute; name them instead"
+    )
+
+
+class OneLayer(RegressionTask):
+    def model(self) -> torch.nn.Module:
+        return torch.nn.Linear(6, 1, dtype=torch.float64)
 
 
 def test_auto_needs_a_budget_and_a_fixed_micro_batch():
