@@ -112,6 +112,33 @@ def test_communication_bound_suggests_fewer_bytes_then_more_samples() -> None:
     assert "--global-batch-size 128" in advice[1].change
 
 
+def test_tensor_parallel_communication_advises_fewer_ranks_per_group() -> None:
+    """Activations at every block: halving the group halves its collectives' bytes per rank (tp 4 -> 2);
+    a group of 2 is undone entirely (FSDP alone), its collectives gone."""
+    m = Measurements(phases(forward=20, backward=30, communication=50))  # 100 ms a step
+    assert verdict(RunFacts(tensor_parallel=2), m) == "communication-bound"
+    [pair] = advise(RunFacts(tensor_parallel=2), m)
+    [four] = advise(RunFacts(tensor_parallel=4), m)
+    assert (pair.title, pair.tier, four.title) == ("fewer ranks per tensor-parallel group", 2, pair.title)
+    assert pair.evidence == (
+        "the step waits 50.0 ms of 100.0 ms for tensor parallelism's collectives (activations all-reduced, "
+        "gathered or reduce-scattered at every block, over 2 ranks)"
+    )
+    assert pair.change == (
+        "--tp 1 --strategy fsdp  (if the state fits sharded alone); on a cluster, keep each group inside a "
+        "node"
+    )
+    assert four.change == "--tp 2; on a cluster, keep each group inside a node"
+    assert advise(RunFacts(tensor_parallel=8), m)[0].change.startswith("--tp 4; ")
+    [three] = advise(RunFacts(tensor_parallel=3), m)  # halved, 3 is 1 too
+    assert (three.change, three.speedup) == (pair.change, pair.speedup)
+    assert (pair.speedup, pair.expected_gain) == (
+        2.0,
+        "up to 2.00x, less what the data-parallel side then communicates",
+    )
+    assert (four.speedup, four.expected_gain[:12]) == (100 / 75, "up to 1.33x,")
+
+
 def test_host_sync_time_on_an_accelerator_decides_the_verdict() -> None:
     sync = HostSync(".item()", "/code/train.py", 12, count=4, seconds=0.12)
     m = Measurements(phases(forward=30, backward=30, other=60), host_syncs=[sync], audited_steps=2)

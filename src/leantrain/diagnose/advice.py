@@ -442,9 +442,14 @@ def communication(facts: RunFacts, m: Measurements) -> list[Advice]:
 def _fewer_tensor_parallel_ranks(facts: RunFacts, m: Measurements, comm: float) -> Advice:
     """Under --tp the step's communication is activations, at every block and micro-batch: more
     samples per rank or 16-bit gradients do not shrink it; fewer ranks per group do."""
-    tp = facts.tensor_parallel
-    change = f"--tp {tp // 2}" if tp > 2 else "--tp 1 --strategy fsdp  (if the state fits sharded alone)"
-    gain = _speedup(m.step, m.step - comm * (1 if tp == 2 else 0.5))
+    tp, half = facts.tensor_parallel, facts.tensor_parallel // 2
+    if half > 1:  # half the group: half its collectives' bytes per rank
+        change, gain = f"--tp {half}", _speedup(m.step, m.step - comm / 2)
+    else:  # no tensor parallelism left (from 2 or 3): its collectives gone
+        change, gain = (
+            "--tp 1 --strategy fsdp  (if the state fits sharded alone)",
+            _speedup(m.step, m.step - comm),
+        )
     return Advice(
         "fewer ranks per tensor-parallel group",
         f"the step waits {_ms(comm)} of {_ms(m.step)} for tensor parallelism's collectives (activations "
