@@ -17,7 +17,8 @@ timeout is checked again when a changed file's tests reached its function (mutmu
 timeout again when the time limit's settings change). And the tests that reached a function now gone
 from a module that gained one (a rename) are recorded again.
 
-A changed helper (``conftest.py``, a module of shared tasks) changes every test in its folder and below;
+A changed helper (``conftest.py``, a module of shared tasks) changes every test in its folder and below,
+and a changed file changes every file that imports it (a test module importing another's helpers);
 the mutation check's own files (``mutation_*.py``, ``mutation_hooks/``) change none.
 Then mutmut runs the mutants not checked yet, of every module or of the modules the patterns name.
 ``--full`` empties ``mutants/`` first: every mutant again, from a fresh record.
@@ -36,6 +37,7 @@ that fails on a failing one, and a test that failed unmutated would be named by 
 from __future__ import annotations
 
 import argparse
+import ast
 import fnmatch
 import hashlib
 import importlib.util
@@ -149,15 +151,44 @@ def hashes_of_test_files(tests: Path) -> dict[str, str]:
     }
 
 
-def changed_test_files(old: dict[str, str], new: dict[str, str]) -> set[str]:
-    """The test files whose tests may check something else now: those changed, added or removed, and
-    for a changed helper (any file not named ``test_*.py``) every test file in its folder and below."""
+def changed_test_files(
+    old: dict[str, str], new: dict[str, str], imports: dict[str, set[str]] | None = None
+) -> set[str]:
+    """The test files whose tests may check something else now: those changed, added or removed; for a
+    changed helper (any file not named ``test_*.py``) every test file in its folder and below; and every
+    file that imports a changed one, and so on (``imports``: :func:`imported_test_files`): a test module
+    whose helper class lives in another test module, a task module of another folder."""
     changed = {path for path in old.keys() | new.keys() if old.get(path) != new.get(path)}
     changed -= {path for path in changed if _of_the_mutation_check(path)}
     for helper in [path for path in changed if not Path(path).name.startswith("test_")]:
         folder = str(Path(helper).parent) + "/"
         changed |= {path for path in new if path.startswith(folder)}
+    importing = {path for path, imported in (imports or {}).items() if imported & changed} - changed
+    while importing:
+        changed |= importing
+        importing = {path for path, imported in (imports or {}).items() if imported & changed} - changed
     return changed
+
+
+def imported_test_files(tests: Path) -> dict[str, set[str]]:
+    """Each Python file under ``tests`` (as :func:`hashes_of_test_files` names it) -> the files under
+    ``tests`` it imports (``from tests.data.test_stream_resume import StreamTask``, ``from
+    tests.distributed import tasks``)."""
+    root, found = tests.parent, {}
+    for path in sorted(tests.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_bytes())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+            elif isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+        modules = [
+            root / f"{name.replace('.', '/')}.py" for name in names if name.split(".")[0] == tests.name
+        ]
+        found[str(path.relative_to(root))] = {str(m.relative_to(root)) for m in modules if m.is_file()}
+    return found
 
 
 def _of_the_mutation_check(path: str) -> bool:
@@ -302,7 +333,8 @@ def invalidate_changed_tests() -> list[str]:
     new = hashes_of_test_files(ROOT / "tests")
     changed: set[str] = set()
     if TEST_HASHES.is_file() and STATS.is_file():
-        changed = changed_test_files(json.loads(TEST_HASHES.read_text()), new)
+        old = json.loads(TEST_HASHES.read_text())
+        changed = changed_test_files(old, new, imported_test_files(ROOT / "tests"))
         stats = json.loads(STATS.read_text())
         reached = forget_tests(stats, changed)
         STATS.write_text(json.dumps(stats, indent=4))

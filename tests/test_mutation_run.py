@@ -11,6 +11,7 @@ from tests.mutation_run import (
     forget_tests,
     functions_now,
     hashes_of_test_files,
+    imported_test_files,
     killers_of_mutants,
     not_checked,
     replaced_functions,
@@ -57,6 +58,36 @@ def test_a_changed_helper_changes_every_test_file_below_its_folder(tmp_path):
         "tests/log/test_metrics.py",
         "tests/test_new.py",
     }
+
+
+def test_a_changed_file_changes_the_files_that_import_it_and_theirs(tmp_path):
+    """A test module using another's helper class, a task module of another folder: their importers'
+    tests check something else when they change (unseen before: only helpers' folders counted)."""
+    tests = tmp_path / "tests"
+    for name, text in {
+        "log/test_sinks.py": "class Helper: ...\n",
+        "test_top.py": "from tests.log.test_sinks import Helper\n",
+        "test_chain.py": "import tests.test_top\n",
+        "distributed/tasks.py": "def task(): ...\n",
+        "test_peer.py": "from tests.distributed import tasks\nfrom leantrain import cli\n",
+        "test_alone.py": "import os\n",
+    }.items():
+        (tests / name).parent.mkdir(parents=True, exist_ok=True)
+        (tests / name).write_text(text)
+    imports = imported_test_files(tests)
+    assert imports["tests/test_top.py"] == {"tests/log/test_sinks.py"}
+    assert imports["tests/test_peer.py"] == {"tests/distributed/tasks.py"}
+    assert imports["tests/test_alone.py"] == set()
+    old = hashes_of_test_files(tests)
+    (tests / "log" / "test_sinks.py").write_text("class Helper:\n    x = 2\n")
+    assert changed_test_files(old, hashes_of_test_files(tests), imports) == {
+        "tests/log/test_sinks.py", "tests/test_top.py", "tests/test_chain.py"
+    }  # fmt: skip
+    (tests / "log" / "test_sinks.py").write_text("class Helper: ...\n")
+    (tests / "distributed" / "tasks.py").write_text("def task(): return 2\n")
+    assert changed_test_files(old, hashes_of_test_files(tests), imports) == {
+        "tests/distributed/tasks.py", "tests/test_peer.py"
+    }  # fmt: skip
 
 
 def test_the_tests_of_changed_files_are_forgotten_and_the_functions_they_reached_named():
