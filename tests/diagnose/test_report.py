@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from rich.console import Console
 
 from leantrain.diagnose.advice import Advice, CompileTrial, RunFacts
@@ -214,3 +215,59 @@ def test_the_html_page_is_utf8_in_a_new_folder_whatever_the_locale(tmp_path):
     text = functools.partial(re.sub, r"<svg.*?</svg>", "", flags=re.DOTALL)
     assert text(page.read_bytes().decode("utf-8")) == text(render_html(d))
     assert "reads café.py" in text(render_html(d))
+
+
+def test_the_html_pages_charts_draw_each_phase_and_each_kind_of_memory():
+    from matplotlib.colors import to_hex
+
+    from leantrain.diagnose.report import PHASE_COLOURS, _svg, memory_figure, phase_figure
+
+    first = diagnosis().phases
+    second = {**{phase: seconds / 5 for phase, seconds in first.items()}, "optimizer": 0.0}
+    d = diagnosis(step_phases=[first, second], schedule=Schedule(warmup=2, timed=2, traced=1))
+    figure = phase_figure(d)
+    axes = figure.axes[0]
+    assert (axes.get_title(), axes.get_xlabel(), axes.get_ylabel()) == (
+        "time per step by phase",
+        "step",
+        "ms",
+    )
+    drawn = [bars.get_label() for bars in axes.containers]
+    assert drawn == ["data", "forward", "backward", "optimizer", "other"]  # those that took time, in order
+    below = [0.0, 0.0]
+    for phase, bars in zip(drawn, axes.containers, strict=True):  # stacked, in ms, at steps 3 and 4
+        heights = [row[phase] * 1000 for row in d.step_phases]
+        assert [bar.get_x() + bar.get_width() / 2 for bar in bars] == [3, 4]
+        assert [bar.get_height() for bar in bars] == pytest.approx(heights)
+        assert [bar.get_y() for bar in bars] == pytest.approx(below)
+        assert {to_hex(bar.get_facecolor()) for bar in bars} == {PHASE_COLOURS[phase]}
+        assert [bar.get_width() for bar in bars] == pytest.approx([0.8, 0.8])
+        below = [b + h for b, h in zip(below, heights, strict=True)]
+    legend = axes.get_legend()
+    assert [text.get_text() for text in legend.get_texts()] == drawn and not legend.get_frame_on()
+    figure.canvas.draw()
+    assert all(tick == int(tick) for tick in axes.get_xticks())  # steps are whole numbers
+    renderer = figure.canvas.get_renderer()
+    # beside the bars, also where the plot's top right is empty (the second step is short)
+    assert legend.get_window_extent(renderer).x0 > axes.get_window_extent(renderer).x1
+    assert tuple(figure.get_size_inches()) == (8, 3.2)
+    # the SVG holds what is drawn, the legend beside the axes included (not the figure's 8 x 3.2 in)
+    box = figure.get_tightbbox(renderer)
+    size = re.search(r'<svg[^>]* width="([\d.]+)pt" height="([\d.]+)pt"', _svg(figure))
+    padded = [(inches + 0.2) * 72 for inches in (box.width, box.height)]  # 0.1 in around, in points
+    assert [float(points) for points in size.groups()] == pytest.approx(padded, rel=0.01)
+
+    figure = memory_figure(d)
+    axes = figure.axes[0]
+    [bars] = axes.containers
+    kinds = ["params", "grads", "optimizer", "activation"]
+    assert [label.get_text() for label in axes.get_yticklabels()] == kinds
+    assert axes.yaxis_inverted()  # the first kind on top
+    assert [bar.get_width() for bar in bars] == [4096 / 2**20, 4096 / 2**20, 8192 / 2**20, 1.0]  # in MiB
+    assert [to_hex(bar.get_facecolor()) for bar in bars] == ["#1f77b4", "#2ca02c", "#8c564b", "#ff7f0e"]
+    assert [text.get_text() for text in axes.texts] == ["4.0 KiB", "4.0 KiB", "8.0 KiB", "1.0 MiB"]
+    assert [text.xyann for text in axes.texts] == [(3, 0)] * 4  # 3 points past the end of each bar
+    total = format_bytes(d.memory.total_bytes)
+    assert (axes.get_xlabel(), axes.get_title()) == ("MiB", f"memory by kind (total {total})")
+    assert tuple(figure.get_size_inches()) == (8, 2.2)
+    _svg(figure)

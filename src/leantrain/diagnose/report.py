@@ -12,6 +12,7 @@ import html
 import io
 import os
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -156,23 +157,34 @@ def _short_where(where: str) -> str:
 # -- HTML ---------------------------------------------------------------------------
 
 
-def _svg(figure: object) -> str:
-    buffer = io.StringIO()
-    figure.savefig(buffer, format="svg", bbox_inches="tight")  # type: ignore[attr-defined]
-    text = buffer.getvalue()
-    return text[text.index("<svg") :]  # inline: no XML declaration or doctype
-
-
-def phase_chart(d: Diagnosis) -> str:
-    """Stacked bars: milliseconds per phase for every timed step."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot drawing off screen, text as paths (a page with no font to load)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.fonttype"] = "path"
+    return plt
+
+
+def _svg(figure: Any) -> str:
+    """``figure`` as inline SVG (no XML declaration or doctype), cropped to what it draws (the legend
+    beside the axes included); the figure is closed."""
+    buffer = io.StringIO()
+    try:
+        figure.savefig(buffer, format="svg", bbox_inches="tight")
+    finally:
+        _pyplot().close(figure)
+    text = buffer.getvalue()
+    return text[text.index("<svg") :]
+
+
+def phase_figure(d: Diagnosis) -> Any:
+    """Stacked bars: milliseconds per phase for every timed step."""
     from matplotlib.ticker import MaxNLocator
 
-    plt.rcParams["svg.fonttype"] = "path"  # text drawn as paths: no font to load
-    figure, axes = plt.subplots(figsize=(8, 3.2))
+    figure, axes = _pyplot().subplots(figsize=(8, 3.2))
     steps = list(range(d.schedule.warmup + 1, d.schedule.warmup + 1 + len(d.step_phases)))
     bottom = [0.0] * len(steps)
     for phase in PHASES:
@@ -186,27 +198,18 @@ def phase_chart(d: Diagnosis) -> str:
     axes.set_title("time per step by phase")
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     axes.spines[["top", "right"]].set_visible(False)
-    try:
-        return _svg(figure)
-    finally:
-        plt.close(figure)
+    return figure
 
 
-def memory_chart(d: Diagnosis) -> str:
+def memory_figure(d: Diagnosis) -> Any:
     """Horizontal bars: bytes by kind."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plt.rcParams["svg.fonttype"] = "path"
     assert d.memory is not None
     labels, sizes = zip(*d.memory.parts().items(), strict=True)
     # The axis in the largest unit that keeps the biggest bar at 1 or more.
     units = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
     unit, scale = next(((name, size) for name, size in units if max(sizes) >= size), ("B", 1))
     values = [size / scale for size in sizes]
-    figure, axes = plt.subplots(figsize=(8, 2.2))
+    figure, axes = _pyplot().subplots(figsize=(8, 2.2))
     colors = ["#1f77b4", "#2ca02c", "#8c564b", "#ff7f0e", "#9467bd"][: len(sizes)]
     bars = axes.barh(labels, values, color=colors)
     axes.bar_label(bars, labels=[format_bytes(size) for size in sizes], padding=3)
@@ -214,10 +217,7 @@ def memory_chart(d: Diagnosis) -> str:
     axes.set_xlabel(unit)
     axes.set_title(f"memory by kind (total {format_bytes(d.memory.total_bytes)})")
     axes.spines[["top", "right"]].set_visible(False)
-    try:
-        return _svg(figure)
-    finally:
-        plt.close(figure)
+    return figure
 
 
 _STYLE = """
@@ -274,7 +274,7 @@ def render_html(d: Diagnosis) -> str:
         f"change: <code>{html.escape(a.change)}</code><br>expected: {html.escape(a.expected_gain)}</li>"
         for a in d.advice
     )
-    memory = "" if d.memory is None else f'<h2>Memory</h2><div class="chart">{memory_chart(d)}</div>'
+    memory = "" if d.memory is None else f'<h2>Memory</h2><div class="chart">{_svg(memory_figure(d))}</div>'
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="{CSP}">
@@ -285,7 +285,7 @@ def render_html(d: Diagnosis) -> str:
 <h2>Advice, in the order to try it</h2>
 {f"<ol>{advice}</ol>" if advice else "<p>Nothing to change found.</p>"}
 <h2>Time per step by phase</h2>
-<div class="chart">{phase_chart(d)}</div>
+<div class="chart">{_svg(phase_figure(d))}</div>
 {_table(["phase", "ms/step", "share"], _rows(phase_rows))}
 <p>{html.escape(flops_line(d))}.</p>
 {memory}
