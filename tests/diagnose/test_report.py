@@ -13,6 +13,8 @@ import pickle
 import re
 import subprocess
 import sys
+from html.parser import HTMLParser
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -21,7 +23,14 @@ from leantrain.diagnose.advice import Advice, CompileTrial, RunFacts
 from leantrain.diagnose.doctor import Diagnosis
 from leantrain.diagnose.flops import PeakFlops
 from leantrain.diagnose.probe import Schedule
-from leantrain.diagnose.report import compile_trial_line, flops_line, headline, print_report, render_html
+from leantrain.diagnose.report import (
+    compile_trial_line,
+    flops_line,
+    headline,
+    percent,
+    print_report,
+    render_html,
+)
 from leantrain.diagnose.syncs import HostSync, RetainedGraph
 from leantrain.diagnose.timer import PHASES
 from leantrain.memory.accountant import MemoryBreakdown
@@ -271,3 +280,111 @@ def test_the_html_pages_charts_draw_each_phase_and_each_kind_of_memory():
     assert (axes.get_xlabel(), axes.get_title()) == ("MiB", f"memory by kind (total {total})")
     assert tuple(figure.get_size_inches()) == (8, 2.2)
     _svg(figure)
+
+
+class _Page(HTMLParser):
+    """A doctor page's blocks in order: ("title" | "h1" | "h2" | "p" | "li", text) and ("table", rows),
+    each row a list of (cell text, is it right-aligned); a <br> reads as a line break; text outside them
+    (but the style and the charts) as ("stray", text)."""
+
+    def __init__(self, page: str) -> None:
+        super().__init__()
+        self.blocks: list[tuple[str, Any]] = []
+        self._text: list[str] | None = None
+        self._rows: list[list[tuple[str, bool]]] | None = None
+        self._numeric = False
+        self._skipped = 0  # inside <style> or a chart's <svg>
+        self.feed(page)
+
+    def handle_starttag(self, tag, attrs):
+        self._skipped += tag in ("style", "svg")
+        if tag == "table":
+            self._rows = []
+        elif tag == "tr" and self._rows is not None:
+            self._rows.append([])
+        elif tag in ("title", "h1", "h2", "p", "li", "td", "th"):
+            self._text, self._numeric = [], ("class", "n") in attrs
+        elif tag == "br" and self._text is not None:
+            self._text.append("\n")
+
+    def handle_data(self, data):
+        if self._text is not None:
+            self._text.append(data)
+        elif data.strip() and not self._skipped:
+            self.blocks.append(("stray", data))
+
+    def handle_endtag(self, tag):
+        self._skipped -= tag in ("style", "svg")
+        if tag in ("td", "th") and self._rows is not None and self._text is not None:
+            self._rows[-1].append(("".join(self._text), self._numeric))
+        elif tag in ("title", "h1", "h2", "p", "li") and self._text is not None:
+            self.blocks.append((tag, "".join(self._text)))
+        elif tag == "table" and self._rows is not None:
+            self.blocks.append(("table", self._rows))
+            self._rows = None
+        if tag in ("td", "th", "title", "h1", "h2", "p", "li"):
+            self._text = None
+
+    def after(self, heading: str) -> list[tuple[str, Any]]:
+        """The blocks between the ``h2`` named ``heading`` and the next ``h2``."""
+        start = self.blocks.index(("h2", heading)) + 1
+        end = next((i for i in range(start, len(self.blocks)) if self.blocks[i][0] == "h2"), len(self.blocks))
+        return self.blocks[start:end]
+
+
+def test_the_html_page_shows_each_figure_in_its_section_escaped():
+    event = CompilerEvent("recompilation", "model.py:41", "reads <tensor> & [x]", 3)
+    d = diagnosis(compiler_events=[event])
+    raw = render_html(d)
+    assert "<tensor>" not in raw and "&lt;tensor&gt; &amp; [x]" in raw  # the page's text, not its markup
+    page = _Page(raw)
+    assert not [text for tag, text in page.blocks if tag == "stray"]
+    assert page.blocks[:3] == [("title", "leantrain doctor: compute-bound"), ("h1", "leantrain doctor"),
+                               ("p", headline(d))]  # fmt: skip
+    assert [text for tag, text in page.blocks if tag == "h2"] == [
+        "Advice, in the order to try it", "Time per step by phase", "Memory", "Host syncs in your code",
+        "Retained graphs", "torch.compile: graph breaks and recompilations",
+    ]  # fmt: skip
+    assert page.after("Advice, in the order to try it") == [
+        ("li", "pin [host] batches\nevidence: batch[input_ids] copies 4 ms\nchange: --pin-memory [cuda]\n"
+               "expected: 10% [est]"),
+        ("li", "second\nevidence: e2\nchange: c2\nexpected: g2"),
+    ]  # fmt: skip
+    assert "<code>--pin-memory [cuda]</code>" in raw
+    total = d.phases["total"]
+    phases = [[("phase", False), ("ms/step", False), ("share", False)]] + [
+        [(phase, False), (f"{d.phases[phase] * 1000:,.2f}", True), (percent(d.phases[phase] / total), True)]
+        for phase in PHASES
+    ]  # fmt: skip
+    phases.append([("step", False), (f"{total * 1000:,.2f}", True), ("100%", True)])
+    assert page.after("Time per step by phase") == [("table", phases), ("p", flops_line(d) + ".")]
+    assert page.after("Memory") == []  # its chart only
+    assert page.after("Host syncs in your code") == [("table", [
+        [("call", False), ("where", False), ("per step", False)],
+        [("batch[labels].item()", False), ("train.py:12", False), ("2", True)],  # 6 calls over 3 steps
+    ])]  # fmt: skip
+    assert page.after("Retained graphs") == [("table", [
+        [("created at", False), ("tensors", False), ("bytes", False)],
+        [("[w]/model.py:40", False), ("2", True), ("2.0 KiB", True)],
+    ]), ("p", compile_trial_line(d) + ".")]  # fmt: skip
+    assert page.after("torch.compile: graph breaks and recompilations") == [("table", [
+        [("kind", False), ("where", False), ("times", False), ("reason", False)],
+        [("recompilation", False), ("model.py:41", False), ("3", True), ("reads <tensor> & [x]", True)],
+    ])]  # fmt: skip
+
+
+def test_an_html_page_with_nothing_found_says_so_and_leaves_out_what_was_not_run():
+    quiet = diagnosis(host_syncs=[], retained_graphs=[], compiler_events=[], compile_trial=None, advice=[],
+                      memory=None)  # fmt: skip
+    page = _Page(render_html(quiet))
+    assert not [text for tag, text in page.blocks if tag == "stray"]
+    assert page.after("Advice, in the order to try it") == [("p", "Nothing to change found.")]
+    assert page.after("Host syncs in your code") == [("p", "None.")]
+    assert page.after("Retained graphs") == [("p", "None.")]
+    assert page.after("torch.compile: graph breaks and recompilations") == [("p", "None.")]
+    assert ("h2", "Memory") not in page.blocks
+    assert not any(tag == "p" and text.startswith("torch.compile trial") for tag, text in page.blocks)
+    eager = _Page(render_html(diagnosis(facts=RunFacts(compile="none"), compile_trial=None, audited_steps=0)))
+    assert eager.after("Host syncs in your code")[0][1][1][2] == ("6", True)  # no step audited: as one
+    assert not [text for tag, text in eager.blocks if tag == "stray"]
+    assert [text for tag, text in eager.blocks if tag == "h2"][-1] == "Retained graphs"  # nothing compiled
