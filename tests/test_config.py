@@ -104,6 +104,11 @@ def test_type_descriptions_for_help_and_errors():
     assert describe_type(HINTS["micro_batch_size"]) == "an integer, auto or null"
     assert metavar(HINTS["micro_batch_size"]) == "INT|{auto}|null"
     assert metavar(HINTS["precision"]) == "{32,bf16-mixed,16-mixed,bf16-true,16-true}"
+    assert [describe_type(kind) for kind in (bool, float, str, type(None))] == [
+        "true or false", "a number", "a string", "null"
+    ]  # fmt: skip
+    assert describe_type(bytes | None) == "bytes or null"  # a type without words of its own: its name
+    assert metavar(bytes | None) == "BYTES|null"
 
 
 def test_fit_help_shows_every_fields_help_under_its_groups_heading(monkeypatch):

@@ -138,6 +138,15 @@ def test_the_findings_are_tables_of_places_in_your_code_with_their_counts():
     ][2] == "6"
 
 
+def test_shares_show_two_significant_digits_below_ten_percent_and_the_flops_line_its_units():
+    assert [percent(share) for share in (0, 1, 0.5, 0.1, 0.0999, 0.0123, 0.000081)] == [
+        "0%", "100%", "50%", "10%", "10%", "1.2%", "0.0081%"
+    ]  # fmt: skip
+    assert flops_line(diagnosis()) == (
+        "FLOPs per step 1.235e+08; peak 2 TFLOP/s (float32, measured: 1024^3 matmul [2 threads]); MFU 1.2%"
+    )
+
+
 def test_the_compile_trial_nan_origin_advice_and_trace_are_shown_as_they_are():
     d = diagnosis()
     lines = report(d)
