@@ -138,6 +138,17 @@ def test_the_findings_are_tables_of_places_in_your_code_with_their_counts():
     ][2] == "6"
 
 
+def test_the_headline_gives_the_step_the_speed_and_the_runs_facts():
+    d = diagnosis(phases={**diagnosis().phases, "total": 1.23456})
+    facts = "(precision 32, micro-batch 1 x 1 accumulation, 0 loader worker(s), 1 process(es), cpu"
+    assert headline(d) == f"compute-bound: 1,234.6 ms per step, 427 samples/s, MFU 1.2% {facts})"
+    padded = dataclasses.replace(d, facts=dataclasses.replace(d.facts, padding_share=0.25))
+    assert (
+        headline(padded)
+        == f"compute-bound: 1,234.6 ms per step, 427 samples/s, MFU 1.2% {facts}, 25% of tokens padding)"
+    )
+
+
 def test_shares_show_two_significant_digits_below_ten_percent_and_the_flops_line_its_units():
     assert [percent(share) for share in (0, 1, 0.5, 0.1, 0.0999, 0.0123, 0.000081)] == [
         "0%", "100%", "50%", "10%", "10%", "1.2%", "0.0081%"
