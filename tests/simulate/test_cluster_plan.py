@@ -254,6 +254,19 @@ def test_the_search_skips_larger_micro_batches_once_one_does_not_fit_and_lists_t
         assert row["fits"] is one.fits
 
 
+def test_the_search_tries_recomputation_only_of_a_model_with_repeated_blocks():
+    from leantrain.simulate.search import checkpointing_policies
+    from tests.conftest import RegressionTask
+
+    assert checkpointing_policies(tiny_charlm()) == [None, "selective", "Block"]  # least recomputed first
+
+    class OneLayer(RegressionTask):
+        def model(self) -> torch.nn.Module:
+            return torch.nn.Linear(6, 1)
+
+    assert checkpointing_policies(OneLayer()) == [None]
+
+
 def test_a_layout_the_simulation_refuses_is_listed_with_the_first_line_of_why():
     cluster, cfg = parse_cluster("1x2x1GiB"), TrainConfig(global_batch_size=8, tp=3)
     with pytest.raises(LeantrainError) as refused:
