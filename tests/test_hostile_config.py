@@ -179,6 +179,41 @@ def test_the_depth_and_value_bounds_are_inclusive(tmp_path):
         load_yaml(tmp_path / "many.yaml", "config")
 
 
+def test_an_alias_counts_the_values_and_levels_of_what_it_names_exactly(tmp_path):
+    """Each bound at its edge through aliases of a list, a mapping and a scalar; the line named is the
+    alias's; a collection finished inside another gives its depth back to the one it is in."""
+
+    def loads(text: str) -> str:
+        (tmp_path / "a.yaml").write_text(text)
+        try:
+            load_yaml(tmp_path / "a.yaml", "config")
+        except ConfigError as error:
+            return str(error).split(": ", 1)[1]
+        return "loads"
+
+    def many(count: int) -> str:
+        return ", ".join(["1"] * count)
+
+    # the mapping, a, [1 + n], b, [1 + the alias's 1 + n]: 6 + 2n values
+    assert loads(f"a: &a [{many(4997)}]\nb: [*a]\n") == "loads"
+    assert loads(f"a: &a [{many(4998)}]\nb: [*a]\n") == (
+        f"holds more than {MAX_VALUES:,} values once its aliases are expanded (line 2)"
+    )
+    # a mapping of m pairs is 1 + 2m values: 8 + 4m here
+    pairs = ", ".join(f"k{i}: 1" for i in range(2498))
+    assert loads(f"a: &a {{{pairs}}}\nb: [*a, 1, 1]\n") == "loads"
+    assert loads(f"a: &a {{{pairs}, k: 1}}\nb: [*a, 1, 1]\n").startswith("holds more than")
+    # a scalar is one value, one level: 5 + k values; 1 + lists + 1 levels
+    assert loads(f"a: &a x\nb: [{', '.join(['*a'] * 9995)}]\n") == "loads"
+    assert loads(f"a: &a x\nb: [{', '.join(['*a'] * 9996)}]\n").startswith("holds more than")
+    assert loads(f"a: &a x\nb: {'[' * (MAX_DEPTH - 2)}*a{']' * (MAX_DEPTH - 2)}\n") == "loads"
+    assert loads(f"a: &a x\nb: {'[' * (MAX_DEPTH - 1)}*a{']' * (MAX_DEPTH - 1)}\n") == (
+        f"nests deeper than {MAX_DEPTH} levels once alias *a (line 2) is expanded"
+    )
+    # [[], then 63 levels]: 65 deep with the mapping, though the empty list before ended at level 3
+    assert loads(f"a: [[], {'[' * 63}{']' * 63}]\n") == f"nests deeper than {MAX_DEPTH} levels (line 1)"
+
+
 @pytest.mark.parametrize("name", ["big.yaml", "/dev/zero"])
 def test_an_oversized_file_is_refused_after_reading_no_more_than_the_bound(in_tmp, name):
     (in_tmp / "big.yaml").write_text("# " + "x" * MAX_FILE_BYTES + "\nmax_steps: 1\n")
