@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from leantrain import cli
-from leantrain.bounded_read import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, load_json, load_yaml
+from leantrain.bounded_read import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, check_yaml, load_json, load_yaml
 from leantrain.data.cache import MANIFEST, CacheError, open_cache
 from leantrain.errors import ConfigError
 from tests.test_hostile_input import BASE, ReachedTraining, run_cli
@@ -212,6 +212,18 @@ def test_an_alias_counts_the_values_and_levels_of_what_it_names_exactly(tmp_path
     )
     # [[], then 63 levels]: 65 deep with the mapping, though the empty list before ended at level 3
     assert loads(f"a: [[], {'[' * 63}{']' * 63}]\n") == f"nests deeper than {MAX_DEPTH} levels (line 1)"
+
+
+def test_yaml_text_past_the_size_bound_is_refused_before_it_is_parsed():
+    """Text that was not read from a file by leantrain (a typed flag's value, the config file as
+    jsonargparse reads it again) is bounded too."""
+    with pytest.raises(ConfigError) as error:
+        check_yaml("1" * (MAX_FILE_BYTES + 1), "value", "a flag's text")
+    assert (error.value.field, str(error.value)) == (
+        "value",
+        f'invalid value="a flag\'s text": is larger than {MAX_FILE_BYTES:,} bytes, the most leantrain reads',
+    )
+    check_yaml("1" * MAX_FILE_BYTES, "value", "a flag's text")  # the largest is parsed
 
 
 @pytest.mark.parametrize("name", ["big.yaml", "/dev/zero"])
