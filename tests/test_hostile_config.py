@@ -266,11 +266,19 @@ def test_a_config_that_uses_anchors_and_aliases_for_shared_values_still_works(in
 
 def test_yaml_tags_that_build_objects_or_do_not_fit_their_text_are_one_line(tmp_path):
     (tmp_path / "object.yaml").write_text("a: !!python/object/apply:os.system [ls]\n")
-    with pytest.raises(ConfigError, match="could not determine a constructor"):
-        load_yaml(tmp_path / "object.yaml", "config")
+    with pytest.raises(ConfigError) as error:
+        load_yaml(tmp_path / "object.yaml", "mixture")
+    assert (error.value.field, str(error.value)) == ("mixture", (
+        f"invalid mixture={str(tmp_path / 'object.yaml')!r}: is not valid YAML at line 1: could not "
+        "determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'"
+    ))  # fmt: skip
     (tmp_path / "int.yaml").write_text("a: !!int abc\n")
-    with pytest.raises(ConfigError, match="holds a value its tag does not allow"):
-        load_yaml(tmp_path / "int.yaml", "config")
+    with pytest.raises(ConfigError) as error:
+        load_yaml(tmp_path / "int.yaml", "mixture")
+    assert (error.value.field, str(error.value)) == ("mixture", (
+        f"invalid mixture={str(tmp_path / 'int.yaml')!r}: holds a value its tag does not allow (invalid "
+        "literal for int() with base 10: 'abc')"
+    ))  # fmt: skip
 
 
 @pytest.mark.parametrize(
