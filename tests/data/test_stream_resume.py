@@ -137,3 +137,51 @@ def test_a_killed_run_on_a_stream_resumes_bit_identical(tmp_path, workers, state
         assert (
             "train_data: resumed from the stream's saved state at epoch 0, item 96 (nothing re-read)" in said
         )
+
+
+class Endless(IterableDataset):
+    def __iter__(self):
+        return iter(range(10**6))
+
+
+class EndlessWithState(Endless):
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_the_run_log_says_for_each_stream_of_a_mixture_how_it_got_back():
+    """Map-style sources say nothing (they are indexed), wherever they come in the list; each stream
+    says whether its saved state put it back, or how many items it reads again and why."""
+    from types import SimpleNamespace
+
+    from leantrain.data.build import _resume_notes, _saved_positions
+    from leantrain.data.stream import StreamReader
+
+    names = ["books", "web", "code"]
+    readers = [list(range(10)), StreamReader(Endless(), "web"), StreamReader(EndlessWithState(), "code")]
+    plan = SimpleNamespace(
+        names=names, readers=lambda: readers, draws_before=lambda step: [0, 8 * step, 2 * step]
+    )
+    assert _resume_notes(plan, 0, None) == []  # not resumed
+    assert _resume_notes(plan, 5, None) == [
+        "web: re-reads 40 items to reach step 5 (no saved position for this step)",
+        "code: re-reads 10 items to reach step 5 (no saved position for this step)",
+    ]
+    positions = [
+        None,
+        {"epoch": 0, "read": 7, "snapshot": None},
+        {"epoch": 1, "read": 3, "snapshot": {"s": 1}},
+    ]
+    assert _resume_notes(plan, 5, positions) == [
+        "web: re-reads 7 items to reach step 5 (no exact state_dict())",
+        "code: resumed from the stream's saved state at epoch 1, item 3 (nothing re-read)",
+    ]
+    # the positions a checkpoint saved count only at its step and for the same sources
+    saved = {"step": 5, "sources": names, "positions": positions}
+    assert _saved_positions(saved, 5, names) is positions
+    assert _saved_positions(saved, 4, names) is None
+    assert _saved_positions(saved, 5, ["web", "code"]) is None
+    assert _saved_positions(None, 5, names) is None
