@@ -185,3 +185,12 @@ def test_the_run_log_says_for_each_stream_of_a_mixture_how_it_got_back():
     assert _saved_positions(saved, 4, names) is None
     assert _saved_positions(saved, 5, ["web", "code"]) is None
     assert _saved_positions(None, 5, names) is None
+
+
+def test_token_counts_fold_in_only_the_steps_done_though_the_loader_reads_ahead():
+    position = DataPosition(["web", "code"], 4, [None, None], [100, 50])  # resumed at step 4
+    for step, tokens in ((4, [1, 2]), (4, [3, 4]), (5, [10, 20]), (6, [7, 7])):  # step 4: two micro-batches
+        position.record({"step": step, "tokens": tokens})
+    assert position.tokens(4) == [100, 50]  # nothing done since the resume
+    assert position.tokens(6) == [114, 76]  # steps 4 and 5; step 6, read ahead, not yet
+    assert position.tokens(7) == [121, 83]
