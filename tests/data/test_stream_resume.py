@@ -194,3 +194,32 @@ def test_token_counts_fold_in_only_the_steps_done_though_the_loader_reads_ahead(
     assert position.tokens(4) == [100, 50]  # nothing done since the resume
     assert position.tokens(6) == [114, 76]  # steps 4 and 5; step 6, read ahead, not yet
     assert position.tokens(7) == [121, 83]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_streams_loader_takes_the_runs_loader_settings(workers):
+    """Workers, pinning and prefetch as chosen; workers kept alive from epoch to epoch when there are any."""
+    from leantrain.cluster import ClusterEnv
+    from leantrain.data.build import build_train_loader, load_train_data
+
+    prefetch = 3 if workers else None
+    cfg = lt.TrainConfig(global_batch_size=16, max_steps=4, num_workers=workers, prefetch_factor=prefetch)
+    data = load_train_data(StreamTask(), cfg, ClusterEnv("single"))
+    loader, _, _ = build_train_loader(data, cfg, ClusterEnv("single"), BatchSplit(16, 16), 4, 0, True)
+    assert (loader.num_workers, loader.pin_memory) == (workers, True)
+    assert (loader.prefetch_factor, loader.persistent_workers) == (prefetch, workers > 0)
+
+
+def test_only_a_stream_without_a_length_needs_max_steps():
+    from leantrain.data.stream import check_stream_steps
+
+    class Sized(Endless):
+        def __len__(self):
+            return 100
+
+    check_stream_steps(Sized(), "train_data", None)  # its epochs have a length
+    check_stream_steps(Endless(), "train_data", 10)
+    with pytest.raises(
+        lt.TaskError, match=r"^train_data is an IterableDataset without __len__: set max_steps"
+    ):
+        check_stream_steps(Endless(), "train_data", None)
