@@ -93,12 +93,18 @@ def test_a_continued_mlflow_run_runs_again_and_one_made_at_a_resume_gets_the_con
     first.finish(None)
     client, [killed] = mlflow_run(uri)
     assert killed.info.status == "KILLED"
+    updates = []  # status changes asked of the server: only for a run that is not running
+    update_run = type(client).update_run
+    monkeypatch.setattr(
+        type(client), "update_run", lambda self, *a, **k: updates.append((a, k)) or update_run(self, *a, **k)
+    )
     again = MLflowTracker(uri, tmp_path / "run", 10)
     again.start({"lr": 0.1}, "key-1", resumed=True)
     assert again.run_id == killed.info.run_id and client.get_run(again.run_id).info.status == "RUNNING"
     made = MLflowTracker(uri, tmp_path / "other", 10)
     made.start({"lr": 0.2}, "key-2", resumed=True)
     assert made.run_id != killed.info.run_id and client.get_run(made.run_id).data.params == {"lr": "0.2"}
+    assert updates == [((killed.info.run_id,), {"status": "RUNNING"})]  # not the new run, made running
     # a run of the user's own, named by MLFLOW_RUN_ID: it gets the key's tag, to be found by it again
     theirs = client.create_run(killed.info.experiment_id).info.run_id
     monkeypatch.setenv("MLFLOW_RUN_ID", theirs)
