@@ -11,6 +11,7 @@ from leantrain.data.loader import build_loader
 from leantrain.data.sampler import GlobalBatchSampler
 from leantrain.data.shard import GlobalBatchShard, StreamPlan
 from leantrain.data.stream import RankShard
+from leantrain.errors import DataError
 from leantrain.step.batching import BatchSplit
 from tests.conftest import RegressionTask, StreamedRegression
 
@@ -132,3 +133,23 @@ def test_training_on_a_stream_equals_training_on_the_same_data_unshuffled(fit, s
 def test_an_unsized_stream_needs_max_steps(fit):
     with pytest.raises(lt.TaskError, match="IterableDataset without __len__: set max_steps"):
         fit(StreamedRegression(sized=False), global_batch_size=16)
+
+
+def test_a_mixtures_source_goes_on_into_its_next_epoch_and_an_empty_one_is_named():
+    """A source without whole groups (a mixture's) reads on past the end of an epoch, however few items
+    the epoch had (one here); an epoch with none is an error naming the source and the epoch."""
+    from leantrain.data.stream import StreamReader
+
+    class Few(IterableDataset):
+        def __init__(self, count: int) -> None:
+            self.count = count
+
+        def __iter__(self):
+            return iter(range(self.count))
+
+    one = StreamReader(Few(1), "web")
+    assert [item for _, item in one.take(3, range(3)).values()] == [0, 0, 0]  # epochs 0, 1 and 2
+    assert one.position()["epoch"] == 2
+    with pytest.raises(DataError) as error:
+        StreamReader(Few(0), "code").take(1, ())
+    assert str(error.value) == "code yielded no item in epoch 0"
