@@ -223,3 +223,27 @@ def test_only_a_stream_without_a_length_needs_max_steps():
         lt.TaskError, match=r"^train_data is an IterableDataset without __len__: set max_steps"
     ):
         check_stream_steps(Endless(), "train_data", None)
+
+
+class AugmentedStream(StreamTask):
+    """Random noise added in Task.augment: drawn in the training process, from the generator a
+    checkpoint restores."""
+
+    def augment(self, batch):
+        x, y, mask = batch
+        return x + torch.rand(x.shape, dtype=x.dtype), y, mask
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_run_with_random_augmentation_resumes_bit_identical(tmp_path, workers):
+    """The bug: a stream's loader drew its workers' base seed from the global generator when it
+    started, so a resumed run's augmentation drew other numbers than the uninterrupted run's."""
+    settings = dict(
+        global_batch_size=16, micro_batch_size=8, max_steps=10, checkpoint_every=3, num_workers=workers
+    )
+    reference = lt.Trainer(quiet_config(tmp_path / "whole", **settings)).fit(AugmentedStream())
+    with pytest.raises(KeyboardInterrupt):
+        lt.Trainer(quiet_config(tmp_path / "run", **settings), [StopAt(5)]).fit(AugmentedStream())
+    resumed = lt.Trainer(quiet_config(tmp_path / "run", resume="auto", **settings)).fit(AugmentedStream())
+    for name, value in reference.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], value), name

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
@@ -260,6 +261,9 @@ def _stream_options(options: dict[str, Any]) -> dict[str, Any]:
         pin_memory=options["pin_memory"],
         prefetch_factor=options["prefetch_factor"],
         persistent_workers=workers > 0,
+        # The loader draws its workers' base seed when it starts; from the global generator that draw
+        # would shift the training step's random numbers (Task.augment, dropout) on a resumed run.
+        generator=torch.Generator().manual_seed(options["seed"]),
     )
 
 
