@@ -81,7 +81,7 @@ def _mutant_test_order(mutant: str) -> Any:
     function = function_of(mutant)
     kills: dict[str, int] = {}
     if KILLERS.is_file():
-        for line in KILLERS.read_text().splitlines():
+        for line in KILLERS.read_text(encoding="utf-8").splitlines():
             killed_function, test = line.split("\t")[:2]
             if killed_function == function:
                 kills[test] = kills.get(test, 0) + 1
@@ -94,10 +94,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # of), with its setup and teardown: a fixture's work (a search shared by a module's tests) is counted
     # where its hits are, and a mutant's time limit is made from these times
     if mutant == "stats" and "PYTEST_XDIST_WORKER" in os.environ:
-        with (PROCESS_HITS / "durations").open("a") as durations:  # for tests/mutation_run.py
+        # for tests/mutation_run.py
+        with (PROCESS_HITS / "durations").open("a", encoding="utf-8") as durations:
             durations.write(f"{report.nodeid}\t{report.duration}\n")
     if report.failed and "__mutmut_" in mutant:
-        with KILLERS.open("a") as killers:  # one short line per write: appends do not interleave
+        # one short line per write: appends do not interleave
+        with KILLERS.open("a", encoding="utf-8") as killers:
             killers.write(f"{function_of(mutant)}\t{report.nodeid}\t{mutant}\n")
 
 
@@ -108,5 +110,5 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     from mutmut.state import state  # pinned to 3.8.x: the hits it records for the running test
 
     for hits in PROCESS_HITS.glob("*.hits"):
-        state()._stats.update(line.split("\t")[1] for line in hits.read_text().splitlines())
+        state()._stats.update(line.split("\t")[1] for line in hits.read_text(encoding="utf-8").splitlines())
         hits.unlink()

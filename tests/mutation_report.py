@@ -72,11 +72,11 @@ def _row(name: str, found: Counter) -> str:
 
 def write_into(markdown: Path, text: str) -> None:
     """Replace what lies between the markers of ``markdown`` with ``text``."""
-    page = markdown.read_text()
+    page = markdown.read_text(encoding="utf-8")
     start, end = page.find(BEGIN), page.find(END)
     if start < 0 or end < start:
         raise SystemExit(f"{markdown}: the markers {BEGIN} and {END} are missing")
-    markdown.write_text(page[: start + len(BEGIN)] + "\n" + text + "\n" + page[end:])
+    markdown.write_text(page[: start + len(BEGIN)] + "\n" + text + "\n" + page[end:], encoding="utf-8")
 
 
 def main() -> int:
@@ -85,7 +85,7 @@ def main() -> int:
     args = parser.parse_args()
     mutmut = Path(sys.executable).with_name("mutmut")
     done = subprocess.run([mutmut, "results", "--all", "true"], capture_output=True, text=True, check=True)
-    by_module, stale = counts(done.stdout, equivalent_mutants(EQUIVALENT_TXT.read_text()))
+    by_module, stale = counts(done.stdout, equivalent_mutants(EQUIVALENT_TXT.read_text(encoding="utf-8")))
     if not by_module:
         raise SystemExit("no mutants found: run `make mutate` (or `mutmut run`) first")
     text = table(by_module)

@@ -111,11 +111,11 @@ def record_stats_in_parallel(workers: int, test_files: list[str] | None = None) 
     if subprocess.call(command, cwd=MUTANTS, env=env):
         raise SystemExit("a test failed while mutmut recorded which tests reach what (above): fix it first")
     for path in hits.glob("*.hits"):
-        for line in path.read_text().splitlines():
+        for line in path.read_text(encoding="utf-8").splitlines():
             test, _, function = line.partition("\t")
             if test:  # not at import, before any test
                 state().tests_by_mangled_function_name[function].add(test)
-    state().duration_by_test.update(seconds_by_test((hits / "durations").read_text()))
+    state().duration_by_test.update(seconds_by_test((hits / "durations").read_text(encoding="utf-8")))
     if not test_files:  # the whole record: mutmut's baseline of what it was made from
         state().stats_time = time.monotonic() - started
         _refresh_change_detection_baseline()
@@ -229,7 +229,7 @@ def killers_of_mutants(killers: Path) -> dict[str, set[str]]:
     ``killers`` (function, test, mutant; a line without a mutant is from before they were named)."""
     found: dict[str, set[str]] = {}
     if killers.is_file():
-        for line in killers.read_text().splitlines():
+        for line in killers.read_text(encoding="utf-8").splitlines():
             fields = line.split("\t")
             if len(fields) == 3:
                 found.setdefault(fields[2], set()).add(fields[1])
@@ -323,7 +323,7 @@ def listed_equivalents() -> set[str]:
     spec = importlib.util.spec_from_file_location("mutation_report", ROOT / "tests" / "mutation_report.py")
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
-    return report.equivalent_mutants(report.EQUIVALENT_TXT.read_text())
+    return report.equivalent_mutants(report.EQUIVALENT_TXT.read_text(encoding="utf-8"))
 
 
 def invalidate_changed_tests() -> list[str]:

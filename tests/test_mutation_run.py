@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from tests.mutation_run import (
     changed_test_files,
@@ -210,3 +214,28 @@ def test_the_tests_of_a_renamed_function_are_recorded_again_and_not_those_of_a_r
     replaced = replaced_functions(reached, functions)
     assert replaced == {f"{module}.x__values"}
     assert files_reaching({"tests_by_mangled_function_name": reached}, replaced) == {"tests/b.py"}
+
+
+def test_a_launched_process_records_its_hits_under_the_c_locale(tmp_path):
+    """A test may start a process under the C locale (the doctor's page is checked so): its hits, a
+    method's name with mutmut's "ǁ" and a test's name with "é", must reach the record as they are."""
+    trampoline = tmp_path / "fake" / "mutmut" / "mutation"
+    trampoline.mkdir(parents=True)
+    (trampoline / "trampoline.py").write_text("def record_trampoline_hit(name, caller=None):\n    pass\n")
+    hooks = Path(__file__).parent / "mutation_hooks"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{hooks}{os.pathsep}{tmp_path / 'fake'}",
+        "MUTANT_UNDER_TEST": "stats",
+        "MUTMUT_PROCESS_HITS": str(tmp_path),
+        "PYTEST_CURRENT_TEST": "tests/test_café.py::test_page (call)",
+        "LC_ALL": "C",
+        "LANG": "C",
+        "PYTHONCOERCECLOCALE": "0",
+        "PYTHONUTF8": "0",
+    }
+    method = "leantrain.m.x\\u01c1P\\u01c1f"  # escaped: the C locale would read "ǁ" in argv as surrogates
+    code = f"from mutmut.mutation import trampoline; trampoline.record_trampoline_hit('{method}')"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=120)
+    (hits,) = tmp_path.glob("*.hits")
+    assert hits.read_text(encoding="utf-8") == "tests/test_café.py::test_page\tleantrain.m.xǁPǁf\n"

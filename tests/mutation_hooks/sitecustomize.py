@@ -26,7 +26,10 @@ def _record_hits_in_a_file(folder: str) -> None:
         test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
         if (test, name) not in seen:  # a line per function, not per call: the step loop calls some every step
             seen.add((test, name))
-            with open(path, "a") as hits:  # written as it happens: a killed process keeps what it ran
+            # Written as it happens: a killed process keeps what it ran. UTF-8 whatever the locale: names of
+            # methods hold mutmut's "ǁ", and a test may start a process under the C locale, where a test's
+            # name read from the environment holds its bytes as surrogates (written back as they came).
+            with open(path, "a", encoding="utf-8", errors="surrogateescape") as hits:
                 hits.write(f"{test}\t{name}\n")
 
     trampoline.record_trampoline_hit = record
