@@ -8,6 +8,7 @@ changed (tests/mutation_run.py), and this file changes how mutants are checked, 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=_mutant_test_order(mutant))
         from mutmut.state import state  # pinned to 3.8.x: its measured test durations
 
-        beyond = _beyond_the_budget(items, state().duration_by_test, MUTANT_TEST_SECONDS)
+        costs = first_run_costs(items, state().duration_by_test, fixture_seconds())
+        beyond = _beyond_the_budget(costs, MUTANT_TEST_SECONDS)
         if beyond:
             config.hook.pytest_deselected(items=items[-beyond:])
             del items[-beyond:]
@@ -61,23 +63,84 @@ MUTANT_TEST_SECONDS = float(os.environ.get("MUTANT_TEST_SECONDS", "120"))
 MUTANT_FIRST_TESTS = 10
 
 
-def _beyond_the_budget(ordered: list[pytest.Item], durations: dict[str, float], budget: float) -> int:
-    """How many of the last tests of ``ordered`` fall past ``budget`` seconds of their recorded
-    ``durations``; the first ``MUTANT_FIRST_TESTS`` always run, and a budget of 0 runs them all."""
+def _beyond_the_budget(costs: list[float], budget: float) -> int:
+    """How many of the last tests fall past ``budget`` seconds, given each one's ``costs`` in the order
+    they run (:func:`first_run_costs`); the first ``MUTANT_FIRST_TESTS`` always run, and a budget of 0
+    runs them all."""
     if budget <= 0:
         return 0
     spent = 0.0
-    for index, item in enumerate(ordered):
-        spent += durations.get(item.nodeid, 0.0)
+    for index, cost in enumerate(costs):
+        spent += cost
         if spent > budget and index >= MUTANT_FIRST_TESTS:
-            return len(ordered) - index
+            return len(costs) - index
     return 0
+
+
+# A module's or a session's fixture (the search a module's tests share, a tracking store, a launched
+# reference run) is set up by the first test of a process that asks for it: while recording, its time
+# lands on that test alone and its fellows look free. But each mutant runs in a fresh process, where the
+# first of them pays it again: seen as free, such a test went first and cost a mutant 7 s where a test
+# of 0.1 s would do. So each such fixture's set-up time is written down whenever it is set up (while
+# recording and while checking mutants), and a test's cost, in the order and against the budget, is its
+# recorded time plus the shared fixtures it is the first to ask for.
+FIXTURE_SECONDS = Path(__file__).resolve().parent.parent / "mutmut-fixture-seconds.txt"  # in mutants/
+FIXTURE_SECONDS_WORTH_WRITING = 0.1  # pytest's own (tmp_path_factory) and the like cost nothing
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Any:
+    started = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - started
+    shared = "MUTANT_UNDER_TEST" in os.environ and fixturedef.scope != "function"
+    if shared and seconds >= FIXTURE_SECONDS_WORTH_WRITING:
+        with FIXTURE_SECONDS.open("a", encoding="utf-8") as written:  # one short line per write
+            written.write(f"{_fixture_name(fixturedef)}\t{seconds}\n")
+
+
+def fixture_seconds() -> dict[str, float]:
+    """Shared fixture -> its set-up time, the last written (tests change)."""
+    if not FIXTURE_SECONDS.is_file():
+        return {}
+    lines = FIXTURE_SECONDS.read_text(encoding="utf-8").splitlines()
+    return {name: float(seconds) for name, _, seconds in (line.partition("\t") for line in lines)}
+
+
+def _fixture_name(fixturedef: Any) -> str:
+    return f"{fixturedef.baseid}::{fixturedef.argname}"
+
+
+def _shared_fixtures(item: Any) -> list[str]:
+    """The module, package and session fixtures ``item`` asks for (pytest's resolved fixture defs: the
+    last of a name is the one it gets)."""
+    info = getattr(item, "_fixtureinfo", None)  # a test function's; other items ask for none
+    if info is None:
+        return []
+    definitions = info.name2fixturedefs
+    chosen = [definitions[name][-1] for name in item.fixturenames if definitions.get(name)]
+    return [_fixture_name(d) for d in chosen if d.scope != "function"]
+
+
+def first_run_costs(
+    ordered: list[Any], durations: dict[str, float], fixtures: dict[str, float]
+) -> list[float]:
+    """Each test's time in a fresh process when run in this order: its recorded ``durations`` plus the
+    set-up time (``fixtures``) of each shared fixture no test before it asked for. (The test that set a
+    fixture up while recording holds its time twice: it runs later than it might, no more.)"""
+    paid: set[str] = set()
+    costs = []
+    for item in ordered:
+        new = [name for name in _shared_fixtures(item) if name not in paid]
+        paid.update(new)
+        costs.append(durations.get(item.nodeid, 0.0) + sum(fixtures.get(name, 0.0) for name in new))
+    return costs
 
 
 def _mutant_test_order(mutant: str) -> Any:
     from mutmut.state import state  # pinned to 3.8.x: its measured test durations
 
-    durations = state().duration_by_test
+    durations, fixtures = state().duration_by_test, fixture_seconds()
     function = function_of(mutant)
     kills: dict[str, int] = {}
     if KILLERS.is_file():
@@ -85,7 +148,7 @@ def _mutant_test_order(mutant: str) -> Any:
             killed_function, test = line.split("\t")[:2]
             if killed_function == function:
                 kills[test] = kills.get(test, 0) + 1
-    return lambda item: (-kills.get(item.nodeid, 0), durations.get(item.nodeid, 0.0))
+    return lambda item: (-kills.get(item.nodeid, 0), first_run_costs([item], durations, fixtures)[0])
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

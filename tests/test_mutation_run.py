@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from tests.mutation_run import (
     changed_test_files,
@@ -161,18 +164,90 @@ def test_a_killed_mutant_is_checked_again_when_a_test_that_killed_it_changed_sur
 
 
 def test_a_mutant_runs_its_ordered_tests_until_their_recorded_time_passes_the_budget_but_its_first_ten():
-    from types import SimpleNamespace
-
-    from tests.mutation_plugin import _beyond_the_budget
+    from tests.mutation_plugin import _beyond_the_budget, first_run_costs
 
     durations = {f"fast{n}": 1.0 for n in range(12)} | {"a": 60.0, "b": 30.0, "c": 20.0, "slow": 500.0}
     fast = [SimpleNamespace(nodeid=f"fast{n}") for n in range(12)]
     items = fast + [SimpleNamespace(nodeid=name) for name in ("a", "b", "c")]
-    assert _beyond_the_budget(items, durations, 100.0) == 2  # the 12 fast ones and a: 72 s; b would pass 100
-    assert _beyond_the_budget(items, durations, 0.0) == 0  # no budget
+
+    def beyond(ordered: list, budget: float) -> int:
+        return _beyond_the_budget(first_run_costs(ordered, durations, {}), budget)
+
+    assert beyond(items, 100.0) == 2  # the 12 fast ones and a: 72 s; b would pass 100
+    assert beyond(items, 0.0) == 0  # no budget
     launches = [SimpleNamespace(nodeid=name) for name in ("slow", "a", "b", "c")]
-    assert _beyond_the_budget(launches, durations, 100.0) == 0  # fewer than ten: all of them
-    assert _beyond_the_budget(launches + fast, durations, 100.0) == 6  # past 100 s from the 11th on
+    assert beyond(launches, 100.0) == 0  # fewer than ten: all of them
+    assert beyond(launches + fast, 100.0) == 6  # past 100 s from the 11th on
+
+
+def _asking_for(nodeid: str, *fixtures: tuple[str, str, str]) -> SimpleNamespace:
+    """A test item as pytest resolves its fixtures: each (baseid, name, scope) the one it gets."""
+    definitions = {
+        name: [SimpleNamespace(baseid=base, argname=name, scope=scope)] for base, name, scope in fixtures
+    }
+    return SimpleNamespace(
+        nodeid=nodeid,
+        fixturenames=list(definitions),
+        _fixtureinfo=SimpleNamespace(name2fixturedefs=definitions),
+    )
+
+
+def test_a_tests_first_run_cost_holds_the_shared_fixtures_no_test_before_it_set_up():
+    """A fresh process per mutant: the first test asking for a module's fixture pays it there, whatever
+    test paid it while recording."""
+    from tests.mutation_plugin import _beyond_the_budget, first_run_costs
+
+    searched = ("tests/simulate/test_plan.py", "searched", "module")
+    store = ("tests/test_store.py", "store", "session")
+    a = _asking_for("a", searched, ("", "tmp_path", "function"))
+    b = _asking_for("b", searched, store)
+    c = _asking_for("c")
+    durations = {"a": 0.25, "b": 0.5, "c": 2.0}
+    fixtures = {"tests/simulate/test_plan.py::searched": 7.0, "tests/test_store.py::store": 3.0}
+    assert first_run_costs([a, b, c], durations, fixtures) == [7.25, 3.5, 2.0]
+    assert first_run_costs([c, b, a], durations, fixtures) == [2.0, 10.5, 0.25]
+    assert first_run_costs([b], durations, {}) == [0.5]  # a fixture not timed yet: free
+    # 7 s once and 0.25 s a test: 9.75 s after eleven; c passes 10 s
+    assert _beyond_the_budget(first_run_costs([a] * 11 + [c], durations, fixtures), 10.0) == 1
+
+
+@pytest.fixture(scope="module")
+def shared_by_this_module() -> str:
+    return "set up once"
+
+
+def test_pytest_names_the_shared_fixtures_a_test_asks_for(request, shared_by_this_module, tmp_path):
+    from tests.mutation_plugin import _shared_fixtures
+
+    assert sorted(_shared_fixtures(request.node)) == [
+        "::tmp_path_factory",  # pytest's own, under tmp_path
+        "tests/test_mutation_run.py::shared_by_this_module",
+    ]
+    assert _shared_fixtures(SimpleNamespace(nodeid="a doctest")) == []
+
+
+def test_a_shared_fixtures_set_up_time_is_written_under_make_mutate_only(tmp_path, monkeypatch):
+    import tests.mutation_plugin as plugin
+
+    monkeypatch.setattr(plugin, "FIXTURE_SECONDS", tmp_path / "fixture-seconds.txt")
+    clock = iter([10.0, 17.5, 20.0, 21.0, 30.0, 30.05, 40.0, 48.0, 50.0, 54.0])
+    monkeypatch.setattr(plugin.time, "perf_counter", lambda: next(clock))
+
+    def set_up(name: str, scope: str) -> None:
+        hook = plugin.pytest_fixture_setup(SimpleNamespace(baseid="t.py", argname=name, scope=scope), None)
+        next(hook)
+        with pytest.raises(StopIteration):
+            hook.send(None)
+
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "stats")
+    set_up("searched", "module")  # 7.5 s
+    set_up("tmp_path", "function")  # 1 s, a test's own
+    set_up("tmp_path_factory", "session")  # 0.05 s: not worth a line
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "leantrain.x_f__mutmut_1")
+    set_up("searched", "module")  # 8 s, later
+    monkeypatch.delenv("MUTANT_UNDER_TEST")
+    set_up("searched", "module")  # 4 s, a plain test run
+    assert plugin.fixture_seconds() == {"t.py::searched": 8.0}
 
 
 def test_a_tests_recorded_time_holds_its_setup_and_teardown(tmp_path, monkeypatch):
