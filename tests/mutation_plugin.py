@@ -8,6 +8,7 @@ changed (tests/mutation_run.py), and this file changes how mutants are checked, 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -91,20 +92,24 @@ FIXTURE_SECONDS_WORTH_WRITING = 0.1  # pytest's own (tmp_path_factory) and the l
 @pytest.hookimpl(hookwrapper=True)
 def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Any:
     started = time.perf_counter()
-    yield
+    outcome = yield
     seconds = time.perf_counter() - started
     shared = "MUTANT_UNDER_TEST" in os.environ and fixturedef.scope != "function"
-    if shared and seconds >= FIXTURE_SECONDS_WORTH_WRITING:
+    failed = outcome.excinfo is not None  # a mutant broke it: its time says nothing
+    if shared and not failed and seconds >= FIXTURE_SECONDS_WORTH_WRITING:
         with FIXTURE_SECONDS.open("a", encoding="utf-8") as written:  # one short line per write
             written.write(f"{_fixture_name(fixturedef)}\t{seconds}\n")
 
 
 def fixture_seconds() -> dict[str, float]:
-    """Shared fixture -> its set-up time, the last written (tests change)."""
-    if not FIXTURE_SECONDS.is_file():
-        return {}
-    lines = FIXTURE_SECONDS.read_text(encoding="utf-8").splitlines()
-    return {name: float(seconds) for name, _, seconds in (line.partition("\t") for line in lines)}
+    """Shared fixture -> its set-up time: the median of those written (a mutant may shorten one, a busy
+    machine lengthen it)."""
+    times: dict[str, list[float]] = {}
+    if FIXTURE_SECONDS.is_file():
+        for line in FIXTURE_SECONDS.read_text(encoding="utf-8").splitlines():
+            name, _, seconds = line.partition("\t")
+            times.setdefault(name, []).append(float(seconds))
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
 def _fixture_name(fixturedef: Any) -> str:

@@ -230,24 +230,27 @@ def test_a_shared_fixtures_set_up_time_is_written_under_make_mutate_only(tmp_pat
     import tests.mutation_plugin as plugin
 
     monkeypatch.setattr(plugin, "FIXTURE_SECONDS", tmp_path / "fixture-seconds.txt")
-    clock = iter([10.0, 17.5, 20.0, 21.0, 30.0, 30.05, 40.0, 48.0, 50.0, 54.0])
+    starts_and_ends = [10.0, 17.5, 20.0, 21.0, 30.0, 30.05, 40.0, 48.0, 50.0, 70.0, 80.0, 80.5, 90.0, 94.0]
+    clock = iter(starts_and_ends)
     monkeypatch.setattr(plugin.time, "perf_counter", lambda: next(clock))
 
-    def set_up(name: str, scope: str) -> None:
+    def set_up(name: str, scope: str, error: Exception | None = None) -> None:
         hook = plugin.pytest_fixture_setup(SimpleNamespace(baseid="t.py", argname=name, scope=scope), None)
         next(hook)
         with pytest.raises(StopIteration):
-            hook.send(None)
+            hook.send(SimpleNamespace(excinfo=error and (type(error), error, None)))
 
     monkeypatch.setenv("MUTANT_UNDER_TEST", "stats")
     set_up("searched", "module")  # 7.5 s
     set_up("tmp_path", "function")  # 1 s, a test's own
     set_up("tmp_path_factory", "session")  # 0.05 s: not worth a line
     monkeypatch.setenv("MUTANT_UNDER_TEST", "leantrain.x_f__mutmut_1")
-    set_up("searched", "module")  # 8 s, later
+    set_up("searched", "module")  # 8 s
+    set_up("searched", "module")  # 20 s on a busy machine
+    set_up("searched", "module", ValueError("a mutant broke it"))  # 0.5 s: failed, no time
     monkeypatch.delenv("MUTANT_UNDER_TEST")
     set_up("searched", "module")  # 4 s, a plain test run
-    assert plugin.fixture_seconds() == {"t.py::searched": 8.0}
+    assert plugin.fixture_seconds() == {"t.py::searched": 8.0}  # the median of 7.5, 8 and 20
 
 
 def test_a_tests_recorded_time_holds_its_setup_and_teardown(tmp_path, monkeypatch):
