@@ -170,8 +170,8 @@ def test_cli_json_and_a_self_contained_report(tmp_path: Path, capsys: pytest.Cap
     assert "url(http" not in report.read_text()
 
 
-@pytest.mark.serial  # its verdict weighs data against compute time: beside other tests, compute won
-def test_cli_terminal_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.serial  # its verdict weighs data against compute time (one thread: see one_compute_thread)
+def test_cli_terminal_report(tmp_path: Path, capsys: pytest.CaptureFixture, one_compute_thread) -> None:
     flags = ["--steps", "2", "--warmup-steps", "1", "--global-batch-size", "16", "--progress", "none"]
     code = main(["doctor", "--example", "slowdata", *flags, "--out", str(tmp_path / "run")])
     out = capsys.readouterr().out
