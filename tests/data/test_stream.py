@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
@@ -86,6 +89,37 @@ def test_a_stream_resumes_at_its_step_with_or_without_a_length(sized):
     whole = [b[0].tolist() for b in stream_batches(Numbers(40, sized), plan, 12, 0, 0)]
     resumed = [b[0].tolist() for b in stream_batches(Numbers(40, sized), plan, 12, 0, 0, start_step=7)]
     assert resumed == whole[7 * 2 :]
+
+
+class Noisy(IterableDataset):
+    """Yields (sample id, the numbers drawn for it from torch's, Python's and NumPy's generators while the
+    stream is read): a random augmentation in a stream."""
+
+    def __len__(self) -> int:
+        return 40  # 2 epochs in the 12 steps below, less 8 items dropped each
+
+    def __iter__(self):
+        for i in range(40):
+            drawn = [torch.rand(()).item(), random.random(), np.random.random()]
+            yield torch.tensor(i), torch.tensor(drawn, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_what_a_stream_draws_while_read_is_the_same_whatever_the_split_and_after_a_resume(workers):
+    """Every worker of every rank reads the stream whole, each from generators of its own: the bug,
+    the numbers drawn for an item depended on which worker read it, how many there were, and where
+    a run resumed."""
+    alone = BatchSplit(global_batch_size=8, micro_batch_size=2)
+    whole = stream_batches(Noisy(), alone, 12, 0, 0)
+    assert len({float(x) for _, drawn in whole for x in drawn.flatten()}) == 3 * 12 * 8  # all different
+    split = BatchSplit(global_batch_size=8, micro_batch_size=2, world_size=2)
+    ranks = [stream_batches(Noisy(), split, 12, rank, workers) for rank in range(2)]
+    for step in range(12):  # rank 0's 2 micro-batches of the step, then rank 1's
+        mine = [b for rank in ranks for b in rank[2 * step : 2 * step + 2]]
+        assert all(torch.equal(a[1], b[1]) for a, b in zip(mine, whole[4 * step : 4 * step + 4], strict=True))
+    resumed = stream_batches(Noisy(), alone, 12, 0, workers, start_step=7)  # in the second epoch
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(resumed, whole[7 * 4 :], strict=True))
+    assert len(resumed) == 5 * 4
 
 
 def test_a_last_partial_global_batch_is_dropped_as_for_map_style_data():

@@ -101,9 +101,11 @@ def test_the_saved_position_resumes_on_another_world_size():
 
 
 class StreamTask(RegressionTask):
-    def __init__(self, stateless: bool = False) -> None:
+    """``noisy``: noise drawn while the stream is read (in the loader's workers, where it has them)."""
+
+    def __init__(self, stateless: bool = False, noisy: bool = False) -> None:
         super().__init__()
-        self.stateless = stateless
+        self.stateless, self.noisy = stateless, noisy
 
     def train_data(self):
         task = self
@@ -111,14 +113,20 @@ class StreamTask(RegressionTask):
         class Stream(Counted):
             def __iter__(inner):
                 for (index,) in super().__iter__():
-                    yield task.x[index], task.y[index], task.mask[index]
+                    x = task.x[index]
+                    if task.noisy:
+                        x = x + torch.rand(x.shape, dtype=x.dtype)
+                    yield x, task.y[index], task.mask[index]
 
         return Stream(len(self.x), self.stateless)
 
 
 class AugmentedStream(StreamTask):
-    """Random noise added in Task.augment: drawn in the training process, from the generator a
-    checkpoint restores."""
+    """Random noise drawn twice: while the stream is read, and in Task.augment (in the training process,
+    from the generator a checkpoint restores)."""
+
+    def __init__(self, stateless: bool = False) -> None:
+        super().__init__(stateless, noisy=True)
 
     def augment(self, batch):
         x, y, mask = batch
@@ -127,8 +135,9 @@ class AugmentedStream(StreamTask):
 
 @pytest.mark.parametrize(("workers", "stateless"), [(0, False), (2, False), (2, True)])
 def test_a_killed_run_on_a_stream_resumes_bit_identical(tmp_path, workers, stateless, capsys):
-    """With random augmentation (the bug: a stream's loader drew its workers' base seed from the global
-    generator when it started, so a resumed run's augmentation drew other numbers)."""
+    """With random augmentation (the bugs: a stream's loader drew its workers' base seed from the global
+    generator when it started, so a resumed run's augmentation drew other numbers; what the stream drew
+    while read came from its worker's generators, which a resume starts anew)."""
     settings = dict(
         global_batch_size=16, micro_batch_size=8, max_steps=14, checkpoint_every=3, num_workers=workers
     )

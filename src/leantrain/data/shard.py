@@ -30,6 +30,8 @@ from leantrain.step.batching import BatchSplit
 
 # Steps of positions the main process keeps: the loader reads at most a few steps ahead of training.
 KEPT_STEPS = 64
+# In the seed of a step's reading (`_read_step`): a micro-batch's seed has a rank there, never negative.
+READING = -1
 
 
 class Reader(Protocol):
@@ -109,9 +111,21 @@ class GlobalBatchShard(IterableDataset):
             wanted: list[set[int]] = [set() for _ in readers]
             for source, offset in (slot for cut in slots.values() for slot in cut):
                 wanted[source].add(offset)
-            taken = [r.take(count, keep) for r, count, keep in zip(readers, counts, wanted, strict=True)]
+            taken = self._read_step(step, readers, counts, wanted)
             for m in mine:
                 yield self._micro_batch(step, m, slots[m], taken, readers, m == accumulation - 1)
+
+    def _read_step(self, step: int, readers: list[Reader], counts: list[int], wanted: list[set[int]]) -> list:
+        """Each source's items of ``step``, the random generators seeded from the step and the source
+        for the reading. A stream draws while it is read (noise in its ``__iter__``, a random ``map`` of
+        a ``datasets`` stream), and every worker of every rank reads it whole: so they all draw the same
+        numbers for the same items, whatever the number of workers and processes, and a resumed run
+        draws for a step what the uninterrupted one drew."""
+        taken = []
+        for source, (reader, count, keep) in enumerate(zip(readers, counts, wanted, strict=True)):
+            with host_rng_seeded(derived_seed(self.seed, step, READING, source)):
+                taken.append(reader.take(count, keep))
+        return taken
 
     def _micro_batch(self, step: int, micro: int, slots: list[tuple[int, int]], taken: list[dict[int, Any]],
                      readers: list[Reader], last: bool) -> Any:  # fmt: skip
