@@ -128,6 +128,38 @@ def test_checkpointing_is_recommended_when_it_fits_a_micro_batch_four_times_larg
     assert nothing.recommended is None and nothing.as_dict()["recommended_micro_batch_size"] is None
 
 
+def test_the_json_plan_holds_the_precision_the_budget_the_recommendation_and_every_row():
+    """`leantrain plan --json`'s object: the chosen row's bytes on top, then what the budget decided."""
+    config = lt.TrainConfig(global_batch_size=16, precision="bf16-mixed")
+    unbounded = estimate_memory(small_charlm(), config)
+    budget = int(unbounded.rows[0].memory.total_bytes / 0.9) + 1  # only micro-batch 1 without recomputation
+    plan = json.loads(json.dumps(estimate_memory(small_charlm(), config, budget=budget).as_dict()))
+    assert plan["precision"] == "bf16-mixed"
+    assert (plan["memory_budget_bytes"], plan["safety_margin"]) == (budget, 0.1)
+    assert (plan["recommended_micro_batch_size"], plan["recommended_activation_checkpointing"]) == (
+        8,
+        "Block",
+    )
+    assert (plan["micro_batch_size"], plan["activation_checkpointing"], plan["fits"]) == (8, "Block", True)
+    kinds = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "ema_bytes")
+    assert plan["total_bytes"] == sum(plan[kind] for kind in kinds) <= budget
+    rows = [(row["micro_batch_size"], row["activation_checkpointing"], row["fits"]) for row in plan["rows"]]
+    assert rows == [
+        *[(1, None, True), (2, None, False), (4, None, False), (8, None, False), (16, None, False)],
+        *[
+            (1, "Block", True),
+            (2, "Block", True),
+            (4, "Block", True),
+            (8, "Block", True),
+            (16, "Block", False),
+        ],
+    ]
+    assert plan["rows"][8] == {key: value for key, value in plan.items() if key in plan["rows"][8]}
+    alone = unbounded.as_dict()  # no budget: nothing decided
+    assert not {"memory_budget_bytes", "safety_margin", "recommended_micro_batch_size"} & set(alone)
+    assert [row["fits"] for row in alone["rows"]] == [None] * 5 and alone["fits"] is None
+
+
 def test_candidates_are_powers_of_two_dividing_the_batch_and_the_batch():
     assert candidate_micro_batches(48) == [1, 2, 4, 8, 16, 48]
     assert candidate_micro_batches(1) == [1]
