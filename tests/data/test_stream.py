@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import leantrain as lt
 from leantrain.data.loader import build_loader
@@ -96,7 +96,7 @@ class Noisy(IterableDataset):
     stream is read): a random augmentation in a stream."""
 
     def __len__(self) -> int:
-        return 40  # 2 epochs in the 12 steps below, less 8 items dropped each
+        return 40  # 5 steps of 8 an epoch: the 12 steps below read every item 2 or 3 times
 
     def __iter__(self):
         for i in range(40):
@@ -120,6 +120,33 @@ def test_what_a_stream_draws_while_read_is_the_same_whatever_the_split_and_after
     resumed = stream_batches(Noisy(), alone, 12, 0, workers, start_step=7)  # in the second epoch
     assert all(torch.equal(a[1], b[1]) for a, b in zip(resumed, whole[7 * 4 :], strict=True))
     assert len(resumed) == 5 * 4
+
+
+class NoisyItems(Dataset):
+    """Map-style: (sample id, the numbers drawn for it from torch's, Python's and NumPy's generators)."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int):
+        drawn = [torch.rand(()).item(), random.random(), np.random.random()]
+        return torch.tensor(index), torch.tensor(drawn, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_item_read_again_in_a_later_epoch_draws_new_numbers(workers):
+    """https://github.com/Lightning-AI/pytorch-lightning/issues/20412 (Lightning: with
+    ``seed_everything(workers=True)`` the loader applied exactly the same augmentations every epoch)
+    and https://github.com/pytorch/pytorch/issues/41329 (a stream's NumPy draws repeated every epoch in
+    every worker). Here every item of 3 epochs, map-style and stream, draws numbers of its own."""
+    plan = BatchSplit(global_batch_size=8, micro_batch_size=2)
+    sampler = GlobalBatchSampler(16, plan, 6, shuffle=False)  # 3 epochs of 2 steps
+    mapped = list(build_loader(NoisyItems(), "train_data", batch_sampler=sampler, num_workers=workers))
+    streamed = stream_batches(Noisy(), plan, 15, 0, workers)  # 3 epochs of 5 steps
+    for batches, items in ((mapped, 16 * 3), (streamed, 40 * 3)):
+        assert sorted(int(i) for ids, _ in batches for i in ids) == sorted(list(range(items // 3)) * 3)
+        drawn = [float(x) for _, numbers in batches for x in numbers.flatten()]
+        assert len(drawn) == len(set(drawn)) == 3 * items
 
 
 def test_a_last_partial_global_batch_is_dropped_as_for_map_style_data():
