@@ -6,7 +6,8 @@ leantrain with an independent computation of the same thing: a plain full-batch 
 against accumulated ones, one process against two, an uninterrupted run against a resumed one.
 
 The multi-process reports share two launches (module fixtures): 2 processes under ddp and under fsdp,
-each beside the same run in one process.
+each beside the same run in one process. Reports tested where their concern's tests are: the same
+augmentation every epoch (Lightning #20412, PyTorch #41329) in tests/data/test_stream.py.
 """
 
 from __future__ import annotations
