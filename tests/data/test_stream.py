@@ -122,6 +122,28 @@ def test_what_a_stream_draws_while_read_is_the_same_whatever_the_split_and_after
     assert len(resumed) == 5 * 4
 
 
+def test_a_steps_reading_is_seeded_by_the_run_the_step_and_the_source():
+    """Two sources of a mixture read at the same step draw numbers of their own, another seed draws
+    others, and none are the numbers of the training's generators reseeded after a change of world size
+    (run/world_change.py seeds them from the run's seed, a rank and a step)."""
+    from leantrain.data.stream import StreamReader
+    from leantrain.runtime import derived_seed, host_rng_seeded
+
+    plan = BatchSplit(global_batch_size=4, micro_batch_size=4)
+
+    def read(seed: int) -> list[torch.Tensor]:
+        shard = GlobalBatchShard(StreamPlan(Noisy(), "train_data", 4), "train_data", plan, 1, seed=seed)
+        readers = [StreamReader(Noisy(), "web"), StreamReader(Noisy(), "code")]
+        taken = shard._read_step(0, readers, [4, 4], [set(range(4)), set(range(4))])
+        return [torch.stack([item[1] for _, (_, item) in sorted(got.items())]) for got in taken]
+
+    web, code = read(0)
+    assert torch.equal(read(0)[0], web) and not torch.equal(web, code)
+    assert not torch.equal(read(1)[0], web)
+    with host_rng_seeded(derived_seed(0, 0, 0)):  # rank 0 resumed at step 0 on another world size
+        assert torch.rand(()).item() not in web[:, 0].tolist()
+
+
 class NoisyItems(Dataset):
     """Map-style: (sample id, the numbers drawn for it from torch's, Python's and NumPy's generators)."""
 
