@@ -409,3 +409,23 @@ def test_an_html_page_with_nothing_found_says_so_and_leaves_out_what_was_not_run
     assert eager.after("Host syncs in your code")[0][1][1][2] == ("6", True)  # no step audited: as one
     assert not [text for tag, text in eager.blocks if tag == "stray"]
     assert [text for tag, text in eager.blocks if tag == "h2"][-1] == "Retained graphs"  # nothing compiled
+
+
+@pytest.mark.parametrize(
+    ("activation", "unit", "widths"),
+    [
+        (3 * 2**30, "GiB", [4096 / 2**30, 4096 / 2**30, 8192 / 2**30, 3.0]),
+        (2**30 - 1, "MiB", [4096 / 2**20, 4096 / 2**20, 8192 / 2**20, (2**30 - 1) / 2**20]),
+        (3 * 2**10, "KiB", [4.0, 4.0, 8.0, 3.0]),
+    ],
+)
+def test_the_memory_chart_is_in_the_largest_unit_its_biggest_bar_reaches(activation, unit, widths):
+    from leantrain.diagnose.report import memory_figure
+
+    d = diagnosis(memory=MemoryBreakdown(4096, 4096, 8192, activation))
+    axes = memory_figure(d).axes[0]
+    [bars] = axes.containers
+    assert axes.get_xlabel() == unit
+    assert [bar.get_width() for bar in bars] == pytest.approx(widths)
+    tiny = memory_figure(diagnosis(memory=MemoryBreakdown(10, 20, 30, 1000))).axes[0]
+    assert tiny.get_xlabel() == "B" and [bar.get_width() for bar in tiny.containers[0]] == [10, 20, 30, 1000]
