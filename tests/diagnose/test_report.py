@@ -247,6 +247,7 @@ def test_the_html_page_is_utf8_in_a_new_folder_whatever_the_locale(tmp_path):
 
 
 def test_the_html_pages_charts_draw_each_phase_and_each_kind_of_memory():
+    import matplotlib.pyplot as plt
     from matplotlib.colors import to_hex
 
     from leantrain.diagnose.report import PHASE_COLOURS, _svg, memory_figure, phase_figure
@@ -278,7 +279,10 @@ def test_the_html_pages_charts_draw_each_phase_and_each_kind_of_memory():
     assert all(tick == int(tick) for tick in axes.get_xticks())  # steps are whole numbers
     renderer = figure.canvas.get_renderer()
     # beside the bars, also where the plot's top right is empty (the second step is short)
-    assert legend.get_window_extent(renderer).x0 > axes.get_window_extent(renderer).x1
+    beside, plot = legend.get_window_extent(renderer), axes.get_window_extent(renderer)
+    assert 0 < beside.x0 - plot.x1 < 0.05 * plot.width  # just right of the axes, its top at theirs
+    assert abs(beside.y1 - plot.y1) < 0.05 * plot.height
+    assert [side for side, spine in axes.spines.items() if spine.get_visible()] == ["left", "bottom"]
     assert tuple(figure.get_size_inches()) == (8, 3.2)
     # the SVG holds what is drawn, the legend beside the axes included (not the figure's 8 x 3.2 in)
     box = figure.get_tightbbox(renderer)
@@ -299,7 +303,11 @@ def test_the_html_pages_charts_draw_each_phase_and_each_kind_of_memory():
     total = format_bytes(d.memory.total_bytes)
     assert (axes.get_xlabel(), axes.get_title()) == ("MiB", f"memory by kind (total {total})")
     assert tuple(figure.get_size_inches()) == (8, 2.2)
+    assert [side for side, spine in axes.spines.items() if spine.get_visible()] == ["left", "bottom"]
+    current = plt.figure()  # _svg closes the figure it draws, not whichever is current
     _svg(figure)
+    assert (plt.fignum_exists(figure.number), plt.fignum_exists(current.number)) == (False, True)
+    plt.close(current)
 
 
 class _Page(HTMLParser):
