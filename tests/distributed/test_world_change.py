@@ -45,6 +45,22 @@ def uninterrupted(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """``stopped(processes, flags)``: the run whose step 10 is resumed, trained once per split and
+    strategy (ddp 2 -> 1 and 2 -> 2 resume the same one, and fsdp's 2 -> 1 and 2 -> 4)."""
+    runs: dict[tuple[int, tuple[str, ...]], Path] = {}
+
+    def first(processes: int, flags: list[str]) -> Path:
+        key = (processes, tuple(flags))
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp("first")
+            run(runs[key], processes, *flags)
+        return runs[key]
+
+    return first
+
+
 FSDP = ["--strategy", "fsdp"]
 
 
@@ -54,13 +70,12 @@ FSDP = ["--strategy", "fsdp"]
     ids=["ddp-2-to-1", "ddp-1-to-2", "fsdp-2-to-1", "fsdp-2-to-4", "ddp-2-to-2"],
 )
 def test_a_run_resumes_on_another_number_of_processes_as_if_uninterrupted(
-    tmp_path, uninterrupted, before, after, flags, resumed_flags
+    tmp_path, uninterrupted, stopped, before, after, flags, resumed_flags
 ):
-    run(tmp_path / "first", before, *flags)
     # Step 10's checkpoint holds step 10's loss, logged at step 12. fsdp's shards are gathered into
     # one process, or resharded over 4 by DCP.
     out = tmp_path / "resumed"
-    checkpoint = tmp_path / "first" / "checkpoints" / "step-00000010.pt"
+    checkpoint = stopped(before, flags) / "checkpoints" / "step-00000010.pt"
     resumed = run(out, after, "--resume", str(checkpoint), *resumed_flags)
     if after > 1:  # (the same number: each rank takes its own losses back, not rank 0's)
         note = f"resumed on {after} process(es) a checkpoint saved by {before}"
