@@ -80,16 +80,13 @@ def test_a_killed_rank_is_restarted_and_the_run_resumes_exactly(tmp_path):
         assert all(torch.equal(actual[name], expected[name]) for name in expected), weights
 
 
-def test_each_rank_draws_its_own_random_numbers(tmp_path):
+def test_each_rank_draws_its_own_random_numbers(tmp_path, monkeypatch):
     """Dropout masks must differ across ranks, while the initial weights agree."""
     probe = tmp_path / "probe"
     probe.mkdir()
-    done = subprocess.run(
-        [LEANTRAIN, "launch", "--nproc-per-node", "2", *FIT, "--max-steps", "3",
-         "--out", str(tmp_path / "run"), "--task", "tests.distributed.tasks:RecordsRandomNumbers"],
-        cwd=REPO, env={**worker_env(), "PROBE_DIR": str(probe)}, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    monkeypatch.setenv("PROBE_DIR", str(probe))
+    task = ["--task", "tests.distributed.tasks:RecordsRandomNumbers"]
+    launch_here("--nproc-per-node", "2", *FIT, "--max-steps", "3", "--out", str(tmp_path / "run"), *task)
     draws = [(probe / f"rank{rank}.txt").read_text().split() for rank in (0, 1)]
     assert len(draws[0]) == len(draws[1]) == 3 * 2  # 3 steps of 2 micro-batches
     assert not set(draws[0]) & set(draws[1])

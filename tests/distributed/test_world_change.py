@@ -8,13 +8,12 @@ logged at the first log point after the resume (which counts losses saved by the
 from __future__ import annotations
 
 import csv
-import subprocess
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import LEANTRAIN, REPO, fit_here, launch_here, worker_env
+from tests.distributed.conftest import fit_here, launch_here
 
 FIT = ["fit", "--task", "tests.distributed.tasks:sum_task", "--global-batch-size", "16",
        "--micro-batch-size", "4", "--max-steps", "20", "--progress", "plain", "--logger", "none",
@@ -46,10 +45,11 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stopped(tmp_path_factory):
+def stopped(tmp_path_factory, uninterrupted):
     """``stopped(processes, flags)``: the run whose step 10 is resumed, trained once per split and
-    strategy (ddp 2 -> 1 and 2 -> 2 resume the same one, and fsdp's 2 -> 1 and 2 -> 4)."""
-    runs: dict[tuple[int, tuple[str, ...]], Path] = {}
+    strategy (ddp 2 -> 1 and 2 -> 2 resume the same one, and fsdp's 2 -> 1 and 2 -> 4; one process's
+    is the uninterrupted run)."""
+    runs: dict[tuple[int, tuple[str, ...]], Path] = {(1, ()): uninterrupted}
 
     def first(processes: int, flags: list[str]) -> Path:
         key = (processes, tuple(flags))
@@ -95,10 +95,7 @@ def test_a_whole_checkpoint_does_not_resume_under_fsdp_and_says_what_does(tmp_pa
     out = tmp_path / "run"
     run(out, 1, "--max-steps", "2")
     arguments = [*FIT, "--max-steps", "4", "--out", str(out), "--resume", "auto", "--strategy", "fsdp"]
-    done = subprocess.run(
-        [LEANTRAIN, "launch", "--nproc-per-node", "2", *arguments],
-        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    done = launch_here("--nproc-per-node", "2", *arguments, check=False)
     assert done.returncode != 0
     message = (
         f"leantrain: error: checkpoint {out / 'checkpoints' / 'step-00000002.pt'} holds its model whole "
@@ -106,5 +103,5 @@ def test_a_whole_checkpoint_does_not_resume_under_fsdp_and_says_what_does(tmp_pa
         "holds the whole model (single, ddp)"
     )
     # Both ranks say it; torchrun's own log lines may land between a line's parts, so not per line.
-    assert message in done.stderr
+    assert message in done.stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002.pt"]  # nothing lost
