@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import LEANTRAIN, REPO, trained_weights, worker_env
+from tests.distributed.conftest import LEANTRAIN, REPO, launch_here, trained_weights, worker_env
 
 FIT = "fit --global-batch-size 16 --micro-batch-size 4 --max-steps 12 --progress plain --logger none"
 FIT = [*FIT.split(), "--log-every-n-steps", "4"]
@@ -82,8 +83,17 @@ def test_a_pipeline_resumes_from_its_sharded_checkpoint_exactly(tmp_path):
     flags = ["--strategy", "pipeline", "--pipeline-stages", "2", "--checkpoint-every", "4",
              "--ema-decay", "0.8", "--async-checkpoint", "true"]  # fmt: skip
     whole = train(tmp_path / "whole", "deep_task", *flags, processes=2)
-    train(tmp_path / "parts", "deep_task", *flags, "--max-steps", "6", processes=2)
-    resumed = train(tmp_path / "parts", "deep_task", *flags, "--resume", "auto", processes=2)
+    # Killed after step 8's save: the run without its last checkpoint and what it wrote at the end.
+    parts = tmp_path / "parts"
+    shutil.copytree(tmp_path / "whole", parts)
+    late = [*(parts / "checkpoints").glob("step-00000012*")]
+    assert late
+    for path in [*late, parts / "model.safetensors", parts / "ema.safetensors"]:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    task = ["--task", "tests.distributed.tasks:deep_task"]
+    again = launch_here("--nproc-per-node", "2", *FIT, *task, *flags, "--resume", "auto", "--out", str(parts))
+    assert ", resumed after step 8" in again.stdout  # not trained again from the start
+    resumed = load_file(parts / "model.safetensors")
     assert all(torch.equal(resumed[name], whole[name]) for name in whole)
     # Each stage's part of the average is saved under its own names, and read back by its stage.
     average, expected = (load_file(tmp_path / run / "ema.safetensors") for run in ("parts", "whole"))
