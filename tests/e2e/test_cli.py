@@ -257,21 +257,22 @@ def test_a_nan_loss_prints_one_line_naming_the_step_and_the_saved_state(tmp_path
     assert (tmp_path / "x" / "checkpoints" / "step-00000002.pt").is_file()
 
 
-def test_cache_builds_once_then_fit_reads_it(tmp_path):
+def test_cache_builds_once_then_fit_reads_it(tmp_path, monkeypatch, capsys):
+    """The installed command builds the cache; the later commands run in this process (``main``)."""
     from leantrain.examples.digits import DigitsTask
 
     items = f"{len(DigitsTask().train_data()):,}"
     built = run("cache", "--example", "digits", "--out", "c", "--num-workers", "0", cwd=tmp_path)
     assert built.returncode == 0, built.stderr
     assert f"c/train: {items} items" in built.stdout and "built in" in built.stdout
-    again = run("cache", "--example", "digits", "--out", "c", cwd=tmp_path)
-    assert "already complete" in again.stdout
-    done = run("fit", "--cache", "c", "--max-steps", "5", "--progress", "plain", "--out", "r", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert f"cache c/train: {items} train items" in done.stdout and ", read" in done.stdout
-    foreign = run("cache", "--example", "charlm", "--out", "c", cwd=tmp_path)
-    assert foreign.returncode == 2
-    assert foreign.stderr.startswith("leantrain: error: cache c/train holds other data")
+    monkeypatch.chdir(tmp_path)
+    assert main(["cache", "--example", "digits", "--out", "c"]) == 0
+    assert "already complete" in capsys.readouterr().out
+    assert main(["fit", "--cache", "c", "--max-steps", "5", "--progress", "plain", "--out", "r"]) == 0
+    fit = capsys.readouterr().out
+    assert f"cache c/train: {items} train items" in fit and ", read" in fit
+    assert main(["cache", "--example", "charlm", "--out", "c"]) == 2
+    assert capsys.readouterr().err.startswith("leantrain: error: cache c/train holds other data")
 
 
 def test_the_summary_table_shows_values_as_summary_json_holds_them():
