@@ -1,4 +1,5 @@
-"""Drive the installed ``leantrain`` command as a user would."""
+"""Drive the installed ``leantrain`` command as a user would; where only what a command prints and
+returns is checked, it runs in the test process (``main``), without an interpreter's start-up."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ def run(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProc
     return subprocess.run([LEANTRAIN, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def run_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``leantrain ARGS`` in this process: its exit code (argparse's --help exits) and what it printed."""
+    try:
+        code = main(list(args))
+    except SystemExit as exit:
+        code = exit.code
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(["leantrain", *args], code, printed.out, printed.err)
+
+
 def test_fit_without_arguments_trains_digits_to_95_percent(tmp_path):
     done = run("fit", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -34,23 +45,14 @@ def test_fit_without_arguments_trains_digits_to_95_percent(tmp_path):
     assert "step 220/220" in done.stdout and "val_accuracy" in done.stdout
 
 
-def test_flags_and_yaml_config_set_the_same_fields(tmp_path):
+def test_flags_and_yaml_config_set_the_same_fields(tmp_path, monkeypatch, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(
         "example: digits\nglobal_batch_size: 32\nmicro-batch-size: 8\nprecision: 32\nmax_steps: 6\n"
     )
-    done = run(
-        "fit",
-        "--config",
-        str(config),
-        "--log-every-n-steps",
-        "3",
-        "--out",
-        "out",
-        "--logger",
-        "none",
-        cwd=tmp_path,
-    )
+    monkeypatch.chdir(tmp_path)
+    flags = ["--config", str(config), "--log-every-n-steps", "3", "--out", "out", "--logger", "none"]
+    done = run_here(capsys, "fit", *flags)
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     split = (summary["global_batch_size"], summary["micro_batch_size"], summary["accumulation_steps"])
@@ -108,16 +110,16 @@ def test_a_failing_dataset_item_is_named(tmp_path):
     assert done.stderr.strip() == "leantrain: error: train_data item 7 failed: KeyError: 'label'"
 
 
-def test_examples_lists_the_builtin_tasks(tmp_path):
-    done = run("examples", cwd=tmp_path)
+def test_examples_lists_the_builtin_tasks(capsys):
+    done = run_here(capsys, "examples")
     assert done.returncode == 0
     for name in ("digits", "charlm", "slowdata", "hf-gpt2"):
         assert name in done.stdout
     assert "leantrain[hf]" in done.stdout  # printed as text, not taken for rich markup
 
 
-def test_help_is_grouped_by_concern(tmp_path):
-    done = run("fit", "--help", cwd=tmp_path)
+def test_help_is_grouped_by_concern(capsys):
+    done = run_here(capsys, "fit", "--help")
     assert done.returncode == 0
     headings = [
         "Task:",
@@ -225,10 +227,12 @@ def test_doctor_takes_the_fit_flags_and_its_own():
     assert _flags("doctor") == FROZEN_FIT_FLAGS | own
 
 
-def test_launch_checks_that_the_batch_splits_over_the_processes_before_starting_them(tmp_path):
-    done = run(
-        "launch", "--nproc-per-node", "3", "fit", "--global-batch-size", "64", "--out", "out", cwd=tmp_path
-    )
+def test_launch_checks_that_the_batch_splits_over_the_processes_before_starting_them(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    flags = ["--global-batch-size", "64", "--out", "out"]
+    done = run_here(capsys, "launch", "--nproc-per-node", "3", "fit", *flags)
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "leantrain: error: invalid global_batch_size=64: must be a multiple of the world size 3"
@@ -236,9 +240,9 @@ def test_launch_checks_that_the_batch_splits_over_the_processes_before_starting_
     assert not (tmp_path / "out").exists()
 
 
-def test_launch_and_slurm_need_the_fit_command(tmp_path):
+def test_launch_and_slurm_need_the_fit_command(capsys):
     for command in ("launch", "slurm"):
-        done = run(command, "--global-batch-size", "64", cwd=tmp_path)
+        done = run_here(capsys, command, "--global-batch-size", "64")
         assert done.returncode == 2 and "leantrain: error:" in done.stderr
 
 
