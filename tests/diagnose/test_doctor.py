@@ -185,8 +185,31 @@ def test_cli_terminal_report(tmp_path: Path, capsys: pytest.CaptureFixture, one_
                                                       ("--warmup-steps", "0", "warmup_steps")])  # fmt: skip
 def test_bad_step_counts_are_one_line_errors(flag, value, field, capsys: pytest.CaptureFixture) -> None:
     assert main(["doctor", flag, value]) == 2
-    error = capsys.readouterr().err.strip()
-    assert error.startswith(f"leantrain: error: invalid {field}=0") and "\n" not in error
+    allowed = "must be a positive integer" + {"steps": "", "warmup_steps": " (step 1 is never timed)"}[field]
+    assert capsys.readouterr().err == f"leantrain: error: invalid {field}=0: {allowed}\n"
+
+
+def test_the_doctor_command_gives_the_doctor_its_flags(tmp_path, monkeypatch, capsys) -> None:
+    """One step timed after one warm-up step is allowed; the compile trial is on unless switched off."""
+    from leantrain.diagnose import doctor as doctor_module
+    from leantrain.diagnose.probe import DEFAULT_STEPS, DEFAULT_WARMUP
+    from tests.diagnose.test_report import diagnosis
+
+    given = []
+
+    def recorded(task, cfg, steps, warmup, trace, name, task_flags, try_compile):
+        given.append((steps, warmup, trace, name, task_flags, try_compile))
+        return diagnosis()
+
+    monkeypatch.setattr(doctor_module, "run_doctor", recorded)
+    assert main(["doctor", "--steps", "1", "--warmup-steps", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == diagnosis().as_dict()
+    trace = str(tmp_path / "trace")
+    assert main(["doctor", "--example", "charlm", "--try-compile", "false", "--trace", trace, "--json"]) == 0
+    assert given == [
+        (1, 1, None, "digits", "--example digits", True),
+        (DEFAULT_STEPS, DEFAULT_WARMUP, trace, "charlm", "--example charlm", False),
+    ]
 
 
 def test_trace_is_written_for_perfetto(tmp_path: Path) -> None:

@@ -437,3 +437,14 @@ def test_the_memory_chart_is_in_the_largest_unit_its_biggest_bar_reaches(activat
     assert [bar.get_width() for bar in bars] == pytest.approx(widths)
     tiny = memory_figure(diagnosis(memory=MemoryBreakdown(10, 20, 30, 1000))).axes[0]
     assert tiny.get_xlabel() == "B" and [bar.get_width() for bar in tiny.containers[0]] == [10, 20, 30, 1000]
+
+
+def test_the_memory_chart_shows_the_weights_average_in_a_fifth_colour():
+    from matplotlib.colors import to_hex
+
+    from leantrain.diagnose.report import memory_figure
+
+    axes = memory_figure(diagnosis(memory=MemoryBreakdown(10, 20, 30, 40, ema_bytes=50))).axes[0]
+    assert [label.get_text() for label in axes.get_yticklabels()][-1] == "ema"
+    colours = [to_hex(bar.get_facecolor()) for bar in axes.containers[0]]
+    assert colours == ["#1f77b4", "#2ca02c", "#8c564b", "#ff7f0e", "#9467bd"]
