@@ -10,6 +10,7 @@ import time
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import SLOW_SUM_ON_TWO_RANKS
 from tests.distributed import tasks
 from tests.distributed.conftest import LEANTRAIN, REPO, fit_here, launch_here, run_with_one_kill, worker_env
 
@@ -68,14 +69,13 @@ def test_two_nodes_on_one_machine_match_one_process(tmp_path):
     assert max_difference(load_file(tmp_path / "two-nodes" / "model.safetensors"), single) <= 1e-10
 
 
-def test_a_killed_rank_is_restarted_and_the_run_resumes_exactly(tmp_path):
-    flags = "--task tests.distributed.tasks:slow_sum_task --max-steps 40 --checkpoint-every 4"
-    flags = [*FIT, *flags.split(), "--log-every-n-steps", "1", "--resume", "auto", "--ema-decay", "0.8"]
-    launch_here("--nproc-per-node", "2", *flags, "--out", str(tmp_path / "uninterrupted"))
+def test_a_killed_rank_is_restarted_and_the_run_resumes_exactly(tmp_path, uninterrupted_slow_sum):
+    flags = ["fit", *SLOW_SUM_ON_TWO_RANKS, "--checkpoint-every", "4", "--ema-decay", "0.8"]
+    flags += ["--resume", "auto"]
     stdout = run_with_one_kill([*flags, "--out", str(tmp_path / "restarted")], kill_after="step 10/")
     assert "resumed after step" in stdout  # the restarted group continued from a checkpoint
     for weights in ("model.safetensors", "ema.safetensors"):  # the average too, from rank 0's file
-        expected = load_file(tmp_path / "uninterrupted" / weights)
+        expected = load_file(uninterrupted_slow_sum / weights)
         actual = load_file(tmp_path / "restarted" / weights)
         assert all(torch.equal(actual[name], expected[name]) for name in expected), weights
 
