@@ -30,7 +30,7 @@ class Counted(IterableDataset):
         while self.next < self.count:
             self.produced += 1
             self.next += 1
-            yield (torch.tensor(self.next - 1),)
+            yield (self.next - 1,)
 
     def state_dict(self):
         return {"next": self.next}
