@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.conftest import LEANTRAIN, REPO, launch_here, trained_weights, worker_env
+from leantrain.cli import main
+from tests.distributed.conftest import launch_here, trained_weights
 
 FIT = "fit --global-batch-size 16 --micro-batch-size 4 --max-steps 12 --progress plain --logger none"
 FIT = [*FIT.split(), "--log-every-n-steps", "4"]
@@ -102,12 +102,8 @@ def test_a_pipeline_resumes_from_its_sharded_checkpoint_exactly(tmp_path):
     assert any(not torch.equal(average[name], whole[name]) for name in whole)  # an average, not the weights
 
 
-def test_stages_that_do_not_divide_the_processes_are_refused_before_launch():
+def test_stages_that_do_not_divide_the_processes_are_refused_before_launch(capsys):
     flags = ["--strategy", "pipeline", "--pipeline-stages", "2"]
-    done = subprocess.run(
-        [LEANTRAIN, "launch", "--nproc-per-node", "3", *FIT, *flags],
-        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 2
+    assert main(["launch", "--nproc-per-node", "3", *FIT, *flags]) == 2
     message = "invalid pipeline_stages=2: must divide the number of processes 3"
-    assert done.stderr.strip() == f"leantrain: error: {message}"
+    assert capsys.readouterr().err == f"leantrain: error: {message}\n"

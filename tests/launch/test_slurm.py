@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from leantrain.cli import main
 from leantrain.errors import LeantrainError
 from leantrain.launch import slurm
 from leantrain.launch.slurm import SlurmOptions, sbatch_script, submit
@@ -100,15 +101,12 @@ def test_the_run_folder_is_required():
         sbatch_script(SlurmOptions(), ["--example", "digits"])
 
 
-def test_cli_dry_run_prints_the_script_and_validates_fit_flags(tmp_path):
-    done = subprocess.run([LEANTRAIN, "slurm", "--nodes", "2", "--dry-run", "true", "fit", "--out", "r"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert done.returncode == 0 and done.stdout.startswith("#!/bin/bash")
-    bad = subprocess.run([LEANTRAIN, "slurm", "--dry-run", "true", "fit", "--out", "r", "--precision", "8"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert bad.returncode == 2 and bad.stderr.strip() == (
-        "leantrain: error: invalid precision='8': must be one of 32, bf16-mixed, 16-mixed, bf16-true, 16-true"
-    )
+def test_cli_dry_run_prints_the_script_and_validates_fit_flags(capsys):
+    assert main(["slurm", "--nodes", "2", "--dry-run", "true", "fit", "--out", "r"]) == 0
+    assert capsys.readouterr().out.startswith("#!/bin/bash")
+    assert main(["slurm", "--dry-run", "true", "fit", "--out", "r", "--precision", "8"]) == 2
+    allowed = "32, bf16-mixed, 16-mixed, bf16-true, 16-true"
+    assert capsys.readouterr().err == f"leantrain: error: invalid precision='8': must be one of {allowed}\n"
 
 
 def fake_slurm_commands(folder: Path) -> None:
