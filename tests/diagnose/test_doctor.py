@@ -198,7 +198,7 @@ def test_the_doctor_command_gives_the_doctor_its_flags(tmp_path, monkeypatch, ca
     given = []
 
     def recorded(task, cfg, steps, warmup, trace, name, task_flags, try_compile):
-        given.append((steps, warmup, trace, name, task_flags, try_compile))
+        given.append((type(task).__name__, steps, warmup, trace, name, task_flags, try_compile))
         return diagnosis()
 
     monkeypatch.setattr(doctor_module, "run_doctor", recorded)
@@ -206,9 +206,19 @@ def test_the_doctor_command_gives_the_doctor_its_flags(tmp_path, monkeypatch, ca
     assert json.loads(capsys.readouterr().out) == diagnosis().as_dict()
     trace = str(tmp_path / "trace")
     assert main(["doctor", "--example", "charlm", "--try-compile", "false", "--trace", trace, "--json"]) == 0
+    assert main(["doctor", "--task", "tests.conftest:RegressionTask", "--json"]) == 0
     assert given == [
-        (1, 1, None, "digits", "--example digits", True),
-        (DEFAULT_STEPS, DEFAULT_WARMUP, trace, "charlm", "--example charlm", False),
+        ("DigitsTask", 1, 1, None, "digits", "--example digits", True),
+        ("CharLMTask", DEFAULT_STEPS, DEFAULT_WARMUP, trace, "charlm", "--example charlm", False),
+        (
+            "RegressionTask",
+            DEFAULT_STEPS,
+            DEFAULT_WARMUP,
+            None,
+            "RegressionTask",
+            "--task tests.conftest:RegressionTask",
+            True,
+        ),
     ]
 
 
