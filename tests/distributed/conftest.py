@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -53,6 +53,25 @@ def as_a_launcher() -> Iterator[None]:
             signal.signal(number, handler)
 
 
+def _launcher_here(launch: Callable[[], int]) -> tuple[int, str]:
+    """``launch()`` run as a launcher in this process (``as_a_launcher``), standard output and error,
+    which the workers inherit, into a file: its exit code and that output."""
+    with tempfile.TemporaryFile() as output, as_a_launcher():
+        sys.stdout.flush(), sys.stderr.flush()
+        kept = os.dup(1), os.dup(2)
+        os.dup2(output.fileno(), 1)  # the workers inherit these
+        os.dup2(output.fileno(), 2)
+        try:
+            code = launch()
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            for fd, original in zip((1, 2), kept, strict=True):
+                os.dup2(original, fd)
+                os.close(original)
+        output.seek(0)
+        return code, output.read().decode(errors="replace")
+
+
 def launch_here(*launch_arguments: str, check: bool = True) -> subprocess.CompletedProcess:
     """``leantrain launch ...``, with torchrun's launcher in this process: the workers are real
     processes, but the launcher's own interpreter start-up (~3 s of CPU a launch, most of a small
@@ -60,22 +79,27 @@ def launch_here(*launch_arguments: str, check: bool = True) -> subprocess.Comple
     (stdout and stderr together) is returned as ``stdout``; a run that fails is an assertion error
     unless ``check`` is false."""
     args = ["launch", *launch_arguments]
-    with tempfile.TemporaryFile() as output, as_a_launcher():
-        sys.stdout.flush(), sys.stderr.flush()
-        kept = os.dup(1), os.dup(2)
-        os.dup2(output.fileno(), 1)  # the workers inherit these
-        os.dup2(output.fileno(), 2)
-        try:
-            code = cli.main(args)
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            for fd, original in zip((1, 2), kept, strict=True):
-                os.dup2(original, fd)
-                os.close(original)
-        output.seek(0)
-        text = output.read().decode(errors="replace")
+    code, text = _launcher_here(lambda: cli.main(args))
     assert code == 0 or not check, f"leantrain {' '.join(args)} failed:\n{text[-6000:]}"
     return subprocess.CompletedProcess(["leantrain", *args], code, text, "")
+
+
+def torchrun_here(*arguments: str) -> str:
+    """``python -m torch.distributed.run ARGUMENTS`` (a script of plain torch), its launcher in this
+    process as in ``launch_here``; the workers' output, stdout and stderr together."""
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    def launch() -> int:
+        try:
+            run.main(list(arguments))
+        except ChildFailedError:
+            return 1
+        return 0
+
+    code, text = _launcher_here(launch)
+    assert code == 0, f"torchrun {' '.join(arguments)} failed:\n{text[-6000:]}"
+    return text
 
 
 def fit_here(*fit_arguments: str) -> None:

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.distributed.conftest import REPO, worker_env
+from tests.distributed.conftest import REPO, torchrun_here
 
 
 def test_gradients_are_all_reduced_once_per_optimizer_step():
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(REPO / "tests" / "distributed" / "nosync_probe.py")],
-        cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    probe = str(REPO / "tests" / "distributed" / "nosync_probe.py")
+    output = torchrun_here("--standalone", "--nproc-per-node", "2", probe)
+    (result,) = [json.loads(line) for line in output.splitlines() if line.startswith('{"with_no_sync"')]
     steps, micro_batches = 3, 4
     # the model fits in one DDP bucket: one all-reduce per optimizer step, in the final backward
     assert result["with_no_sync"]["gradient_all_reduces"] == steps

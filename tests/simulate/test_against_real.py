@@ -8,13 +8,11 @@ within 5 %: the bugs below moved it by a gradient or by 43 %."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.distributed.conftest import torchrun_here
 from tests.simulate.planned import planned
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,12 +25,7 @@ def test_the_simulated_peak_is_a_real_ranks(tmp_path, flags):
     """Bugs: DTensor's propagation of shapes counted as this rank's memory (1.4x under fsdp bf16-mixed),
     DDP's buckets left out; any difference between the fake step and the real one."""
     out = tmp_path / "rank0.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(WORKER), "--worker", TASK, str(out), *flags]  # fmt: skip
-    paths = [str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
+    torchrun_here("--standalone", "--nproc-per-node", "2", str(WORKER), "--worker", TASK, str(out), *flags)
     real = json.loads(out.read_text())
     batch = ["--global-batch-size", "8", "--micro-batch-size", "2", "--max-grad-norm", "0.5"]
     plan = planned(["fit", "--task", TASK, *batch, *flags], 2)
