@@ -190,7 +190,8 @@ def test_bad_step_counts_are_one_line_errors(flag, value, field, capsys: pytest.
 
 
 def test_the_doctor_command_gives_the_doctor_its_flags(tmp_path, monkeypatch, capsys) -> None:
-    """One step timed after one warm-up step is allowed; the compile trial is on unless switched off."""
+    """One step timed after one warm-up step is allowed; the compile trial is on unless switched off;
+    with --json the progress is off unless asked for (stdout carries the JSON alone)."""
     from leantrain.diagnose import doctor as doctor_module
     from leantrain.diagnose.probe import DEFAULT_STEPS, DEFAULT_WARMUP
     from tests.diagnose.test_report import diagnosis
@@ -198,26 +199,30 @@ def test_the_doctor_command_gives_the_doctor_its_flags(tmp_path, monkeypatch, ca
     given = []
 
     def recorded(task, cfg, steps, warmup, trace, name, task_flags, try_compile):
-        given.append((type(task).__name__, steps, warmup, trace, name, task_flags, try_compile))
+        given.append((type(task).__name__, steps, warmup, trace, name, task_flags, try_compile, cfg.progress))
         return diagnosis()
 
     monkeypatch.setattr(doctor_module, "run_doctor", recorded)
     assert main(["doctor", "--steps", "1", "--warmup-steps", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == diagnosis().as_dict()
     trace = str(tmp_path / "trace")
-    assert main(["doctor", "--example", "charlm", "--try-compile", "false", "--trace", trace, "--json"]) == 0
-    assert main(["doctor", "--task", "tests.conftest:RegressionTask", "--json"]) == 0
+    charlm = ["--example", "charlm", "--try-compile", "false", "--trace", trace, "--progress", "plain"]
+    assert main(["doctor", *charlm, "--json"]) == 0
+    task = "tests.conftest:RegressionTask"
+    assert main(["doctor", "--task", task]) == 0
+    assert "verdict: " in capsys.readouterr().out  # the report, not JSON
     assert given == [
-        ("DigitsTask", 1, 1, None, "digits", "--example digits", True),
-        ("CharLMTask", DEFAULT_STEPS, DEFAULT_WARMUP, trace, "charlm", "--example charlm", False),
+        ("DigitsTask", 1, 1, None, "digits", "--example digits", True, "none"),
+        ("CharLMTask", DEFAULT_STEPS, DEFAULT_WARMUP, trace, "charlm", "--example charlm", False, "plain"),
         (
             "RegressionTask",
             DEFAULT_STEPS,
             DEFAULT_WARMUP,
             None,
             "RegressionTask",
-            "--task tests.conftest:RegressionTask",
+            f"--task {task}",
             True,
+            "auto",
         ),
     ]
 
