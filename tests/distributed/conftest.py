@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +19,7 @@ from safetensors.torch import load_file
 from leantrain import cli
 
 REPO = Path(__file__).parents[2]
+Watch = Callable[[str, threading.Event], None]
 LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
 
 
@@ -53,17 +56,22 @@ def as_a_launcher() -> Iterator[None]:
             signal.signal(number, handler)
 
 
-def _launcher_here(launch: Callable[[], int]) -> tuple[int, str]:
+def _launcher_here(launch: Callable[[], int], watch: Watch | None = None) -> tuple[int, str]:
     """``launch()`` run as a launcher in this process (``as_a_launcher``), standard output and error,
-    which the workers inherit, into a file: its exit code and that output."""
-    with tempfile.TemporaryFile() as output, as_a_launcher():
+    which the workers inherit, into a file: its exit code and that output. ``watch(path, finished)``,
+    if given, reads the file on a thread while the launch runs."""
+    with tempfile.NamedTemporaryFile() as output, as_a_launcher():
         sys.stdout.flush(), sys.stderr.flush()
         kept = os.dup(1), os.dup(2)
         os.dup2(output.fileno(), 1)  # the workers inherit these
         os.dup2(output.fileno(), 2)
+        finished = threading.Event()
+        if watch is not None:
+            threading.Thread(target=watch, args=(output.name, finished), daemon=True).start()
         try:
             code = launch()
         finally:
+            finished.set()
             sys.stdout.flush(), sys.stderr.flush()
             for fd, original in zip((1, 2), kept, strict=True):
                 os.dup2(original, fd)
@@ -72,14 +80,16 @@ def _launcher_here(launch: Callable[[], int]) -> tuple[int, str]:
         return code, output.read().decode(errors="replace")
 
 
-def launch_here(*launch_arguments: str, check: bool = True) -> subprocess.CompletedProcess:
+def launch_here(
+    *launch_arguments: str, check: bool = True, watch: Watch | None = None
+) -> subprocess.CompletedProcess:
     """``leantrain launch ...``, with torchrun's launcher in this process: the workers are real
     processes, but the launcher's own interpreter start-up (~3 s of CPU a launch, most of a small
     test's cost) is saved; tests of the launcher itself start it as a process. The workers' output
     (stdout and stderr together) is returned as ``stdout``; a run that fails is an assertion error
-    unless ``check`` is false."""
+    unless ``check`` is false. ``watch``: see ``_launcher_here``."""
     args = ["launch", *launch_arguments]
-    code, text = _launcher_here(lambda: cli.main(args))
+    code, text = _launcher_here(lambda: cli.main(args), watch)
     assert code == 0 or not check, f"leantrain {' '.join(args)} failed:\n{text[-6000:]}"
     return subprocess.CompletedProcess(["leantrain", *args], code, text, "")
 
@@ -139,23 +149,29 @@ def worker_pids(launcher: int) -> dict[int, int]:
 
 
 def run_with_one_kill(fit_arguments: list[str], kill_after: str, processes: int = 2) -> str:
-    """``launch --nproc-per-node PROCESSES --max-restarts 1 fit ...``, SIGKILL rank 1 once a line of
-    the run starts with ``kill_after``; the group restarts and the run must end well. Returns its stdout."""
-    launcher = subprocess.Popen(
-        [LEANTRAIN, "launch", "--nproc-per-node", str(processes), "--max-restarts", "1", *fit_arguments],
-        cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert launcher.stdout is not None
-    try:
-        for line in launcher.stdout:
-            if line.startswith(kill_after):
-                break
-        os.kill(worker_pids(launcher.pid)[1], signal.SIGKILL)
-        stdout, stderr = launcher.communicate(timeout=240)
-    finally:
-        launcher.kill()  # nothing is left running when the test fails
-    assert launcher.returncode == 0, stderr[-3000:]
-    return line + stdout
+    """``launch --nproc-per-node PROCESSES --max-restarts 1 fit ...`` (``launch_here``), SIGKILL rank 1
+    once a line of the run starts with ``kill_after``; the group restarts and the run must end well.
+    Returns the workers' output."""
+    killed = []
+
+    def kill_rank_1(path: str, finished: threading.Event) -> None:
+        with open(path, "rb") as output:
+            line = b""
+            while not finished.is_set():
+                line += output.readline()
+                if not line.endswith(b"\n"):  # nothing new, or a line still being written
+                    time.sleep(0.01)
+                elif line.startswith(kill_after.encode()):
+                    os.kill(worker_pids(os.getpid())[1], signal.SIGKILL)
+                    killed.append(line)
+                    return
+                else:
+                    line = b""
+
+    launch = ["--nproc-per-node", str(processes), "--max-restarts", "1", *fit_arguments]
+    stdout = launch_here(*launch, watch=kill_rank_1).stdout
+    assert killed, f"no line started with {kill_after!r}:\n{stdout[-3000:]}"
+    return stdout
 
 
 @pytest.fixture
