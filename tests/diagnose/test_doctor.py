@@ -203,14 +203,18 @@ def test_the_doctor_command_gives_the_doctor_its_flags(tmp_path, monkeypatch, ca
         return diagnosis()
 
     monkeypatch.setattr(doctor_module, "run_doctor", recorded)
+    monkeypatch.setenv("COLUMNS", "80")  # the width rich gives a console that is not a terminal
     assert main(["doctor", "--steps", "1", "--warmup-steps", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == diagnosis().as_dict()
     trace = str(tmp_path / "trace")
     charlm = ["--example", "charlm", "--try-compile", "false", "--trace", trace, "--progress", "plain"]
     assert main(["doctor", *charlm, "--json"]) == 0
+    capsys.readouterr()
     task = "tests.conftest:RegressionTask"
     assert main(["doctor", "--task", task]) == 0
-    assert "verdict: " in capsys.readouterr().out  # the report, not JSON
+    report = capsys.readouterr().out.splitlines()
+    assert any("verdict: " in line for line in report)  # the report, not JSON, 110 columns wide at least
+    assert max(map(len, report)) == 110
     assert given == [
         ("DigitsTask", 1, 1, None, "digits", "--example digits", True, "none"),
         ("CharLMTask", DEFAULT_STEPS, DEFAULT_WARMUP, trace, "charlm", "--example charlm", False, "plain"),
