@@ -288,25 +288,6 @@ class HeavyFromStep(RegressionTask):
         return loss
 
 
-# slow_sum_task on 2 ranks, 40 steps: the run that the killed-rank and SLURM requeue tests interrupt.
-SLOW_SUM_ON_TWO_RANKS = ["--task", "tests.distributed.tasks:slow_sum_task", "--global-batch-size", "16",
-                         "--micro-batch-size", "4", "--max-steps", "40", "--log-every-n-steps", "1",
-                         "--progress", "plain", "--logger", "none"]  # fmt: skip
-
-
-@pytest.fixture(scope="session")
-def uninterrupted_slow_sum(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SLOW_SUM_ON_TWO_RANKS trained without a stop (a checkpoint every 4 steps, an average of the
-    weights kept: neither changes the weights), launched once for every pytest-xdist worker."""
-    from tests.distributed.conftest import launch_here
-
-    with one_worker_at_a_time(tmp_path_factory, "uninterrupted-slow-sum") as out:
-        if not (out / "summary.json").exists():  # written last
-            flags = ["--checkpoint-every", "4", "--ema-decay", "0.8", "--out", str(out)]
-            launch_here("--nproc-per-node", "2", "fit", *SLOW_SUM_ON_TWO_RANKS, *flags)
-    return out
-
-
 # The tests that start processes (launches, the CLI, kills) are the long ones: they run first, so
 # that `make test`'s pytest-xdist workers end on short tests. Work stealing moves queued tests,
 # not a running one: a long test started last would run alone while the other worker idles.

@@ -17,6 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from leantrain import cli
+from tests.conftest import one_worker_at_a_time
 
 REPO = Path(__file__).parents[2]
 Watch = Callable[[str, threading.Event], None]
@@ -172,6 +173,24 @@ def run_with_one_kill(fit_arguments: list[str], kill_after: str, processes: int 
     stdout = launch_here(*launch, watch=kill_rank_1).stdout
     assert killed, f"no line started with {kill_after!r}:\n{stdout[-3000:]}"
     return stdout
+
+
+# slow_sum_task on 2 ranks, 40 steps: the run that the killed-rank and SLURM requeue tests interrupt.
+SLOW_SUM_ON_TWO_RANKS = ["--task", "tests.distributed.tasks:slow_sum_task", "--global-batch-size", "16",
+                         "--micro-batch-size", "4", "--max-steps", "40", "--log-every-n-steps", "1",
+                         "--progress", "plain", "--logger", "none"]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_slow_sum(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SLOW_SUM_ON_TWO_RANKS trained without a stop (a checkpoint every 4 steps, an average of the
+    weights kept: neither changes the weights), launched once for every pytest-xdist worker
+    (tests/launch/test_slurm.py imports it too)."""
+    with one_worker_at_a_time(tmp_path_factory, "uninterrupted-slow-sum") as out:
+        if not (out / "summary.json").exists():  # written last
+            flags = ["--checkpoint-every", "4", "--ema-decay", "0.8", "--out", str(out)]
+            launch_here("--nproc-per-node", "2", "fit", *SLOW_SUM_ON_TWO_RANKS, *flags)
+    return out
 
 
 @pytest.fixture

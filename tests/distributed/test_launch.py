@@ -10,9 +10,16 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import SLOW_SUM_ON_TWO_RANKS
 from tests.distributed import tasks
-from tests.distributed.conftest import LEANTRAIN, REPO, fit_here, launch_here, run_with_one_kill, worker_env
+from tests.distributed.conftest import (
+    LEANTRAIN,
+    REPO,
+    SLOW_SUM_ON_TWO_RANKS,
+    fit_here,
+    launch_here,
+    run_with_one_kill,
+    worker_env,
+)
 
 FIT = "fit --task tests.distributed.tasks:sum_task --global-batch-size 16 --micro-batch-size 4 --max-steps 20"
 FIT = [*FIT.split(), "--progress", "plain", "--logger", "none"]

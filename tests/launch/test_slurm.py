@@ -26,7 +26,8 @@ from leantrain.cli import main
 from leantrain.errors import LeantrainError
 from leantrain.launch import slurm
 from leantrain.launch.slurm import SlurmOptions, sbatch_script, submit
-from tests.conftest import SLOW_SUM_ON_TWO_RANKS, python_path
+from tests.conftest import python_path
+from tests.distributed.conftest import SLOW_SUM_ON_TWO_RANKS
 
 LEANTRAIN = str(Path(sys.executable).parent / "leantrain")
 REPO = Path(__file__).parents[2]
