@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -149,6 +150,21 @@ def test_a_refused_write_is_named_whoever_writes_it(tmp_path):
 
     with pytest.raises(RuntimeError, match="not a storage problem"):  # other errors keep their type
         atomic_write(tmp_path / "w.bin", a_bug)
+
+
+def test_the_refused_write_is_found_in_a_rust_message_and_a_chain_that_loops_ends():
+    """safetensors words a full disk as a message ending "(os error 28)"; an exception chain can loop
+    (an error raised as its own cause's context), and the search must still end."""
+    found = files.storage_cause(RuntimeError("failed to write the file (os error 28)"))
+    assert (type(found), found.errno, found.strerror) == (OSError, errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert files.storage_cause(RuntimeError("(os error 2)")) is None  # not found: no storage error
+    first, second = RuntimeError("first"), RuntimeError("second")
+    first.__cause__, second.__context__ = second, first
+    answered = []
+    searching = threading.Thread(target=lambda: answered.append(files.storage_cause(first)), daemon=True)
+    searching.start()
+    searching.join(timeout=10)  # the bug: around the loop forever
+    assert answered == [None]
 
 
 def test_the_storage_line_gives_the_size_needed_and_what_is_free_when_known(tmp_path, monkeypatch):
