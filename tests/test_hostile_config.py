@@ -292,8 +292,27 @@ def test_yaml_tags_that_build_objects_or_do_not_fit_their_text_are_one_line(tmp_
 )
 def test_a_json_file_past_the_bounds_is_one_line(tmp_path, text, reason):
     (tmp_path / "x.json").write_text(text)
-    with pytest.raises(ConfigError, match=re.escape(reason)):
+    with pytest.raises(ConfigError) as refused:
         load_json(tmp_path / "x.json", "cache")
+    assert str(refused.value).startswith(f"invalid cache={str(tmp_path / 'x.json')!r}: {reason}")
+
+
+def test_json_nests_64_levels_of_lists_or_objects_and_no_more_and_reads_as_far_as_asked(tmp_path):
+    path = tmp_path / "x.json"
+    for depth, inner in ((MAX_DEPTH, "[]"), (MAX_DEPTH - 1, "[1]"), (MAX_DEPTH - 1, '{"a": 1}')):
+        path.write_text("[" * (depth - 1) + inner + "]" * (depth - 1))  # a scalar is one level
+        assert load_json(path, "cache") is not None
+    for text in ("[" * MAX_DEPTH + "1" + "]" * MAX_DEPTH, '{"a": ' * MAX_DEPTH + "1" + "}" * MAX_DEPTH):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=f"nests deeper than {MAX_DEPTH} levels"):
+            load_json(path, "cache")
+    path.write_text('{"a": [1, 2, 3]}')  # 16 bytes
+    assert load_json(path, "cache", max_bytes=16) == {"a": [1, 2, 3]}
+    with pytest.raises(ConfigError) as refused:
+        load_json(path, "cache", max_bytes=15)
+    assert str(refused.value) == (
+        f"invalid cache={str(path)!r}: is larger than 15 bytes, the most leantrain reads of a JSON file"
+    )
 
 
 def test_a_hostile_cache_manifest_is_one_line_naming_the_folder(tmp_path):
