@@ -69,6 +69,22 @@ def test_the_cache_returns_the_original_items(tmp_path, workers):
     assert reads_stored_values(cached) and not reads_stored_values(data)  # the loader seeds only for data
 
 
+def test_lists_and_tuples_come_back_as_lists_and_tuples_at_every_level(tmp_path):
+    class Nested(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            return [torch.tensor([index]), (index, [index / 2, ()]), {"pair": (index, [index])}]
+
+    cached, _ = prepare_cache(Nested(), tmp_path / "c", "test:train", "train_data")
+    for index in range(4):
+        item = cached[index]
+        assert item == [torch.tensor([index]), (index, [index / 2, ()]), {"pair": (index, [index])}]
+        kinds = [type(item), type(item[1]), type(item[1][1]), type(item[1][1][1]), type(item[2]["pair"])]
+        assert kinds == [list, tuple, list, tuple, tuple] and type(item[2]["pair"][1]) is list
+
+
 def test_an_interrupted_build_is_never_taken_for_a_complete_cache(tmp_path):
     folder = tmp_path / "c"
     broken = Records(fail_at=13)
