@@ -148,11 +148,10 @@ class CachedDataset(Dataset):
     reads_stored_values = True  # loading draws no random number: the loader need not seed for it
 
     def __init__(self, folder: Path, manifest: dict[str, Any]) -> None:
-        self.folder = folder
         self.size = manifest["fingerprint"]["size"]
         self.structure = manifest["structure"]
-        self.leaves = [Leaf(leaf["kind"], leaf["dtype"], tuple(leaf["shape"])) for leaf in manifest["leaves"]]
-        self.arrays = [np.load(folder / f"leaf{i}.npy", mmap_mode="r") for i in range(len(self.leaves))]
+        self.kinds = [leaf["kind"] for leaf in manifest["leaves"]]  # dtype and shape: the arrays' own
+        self.arrays = [np.load(folder / f"leaf{i}.npy", mmap_mode="r") for i in range(len(self.kinds))]
 
     def __len__(self) -> int:
         return self.size
@@ -163,10 +162,10 @@ class CachedDataset(Dataset):
 
     def _values(self, rows: list[np.ndarray]) -> list[Any]:
         values: list[Any] = []
-        for leaf, row in zip(self.leaves, rows, strict=True):
-            if leaf.kind == "tensor":
+        for kind, row in zip(self.kinds, rows, strict=True):
+            if kind == "tensor":
                 values.append(torch.from_numpy(np.array(row)))  # a copy: the map is read-only
-            elif leaf.kind == "array":
+            elif kind == "array":
                 values.append(np.array(row))
             else:
                 values.append(row.item())  # a Python number, as the dataset returned it
