@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 import leantrain as lt
 from leantrain.data.cache import MANIFEST, CacheError, build_cache, fingerprint, open_cache, prepare_cache
@@ -89,7 +90,7 @@ def test_an_interrupted_build_is_never_taken_for_a_complete_cache(tmp_path):
     folder = tmp_path / "c"
     broken = Records(fail_at=13)
     with pytest.raises(lt.DataError, match="train_data item 13 failed"):
-        build_cache(broken, folder, fingerprint(Records(), "s"), "train_data")
+        build_cache(broken, folder, fingerprint(Records(), "s"), "train_data", 0)
     assert (folder / "leaf0.npy").exists() and not (folder / MANIFEST).exists()
     assert open_cache(folder, fingerprint(Records(), "s")) is None
     cached, built = prepare_cache(Records(), folder, "s", "train_data")  # built again, from scratch
@@ -125,6 +126,54 @@ def test_a_folder_of_other_files_is_never_overwritten(tmp_path):
     with pytest.raises(CacheError, match="holds files that are not a leantrain cache"):
         prepare_cache(Records(), tmp_path, "s", "train_data")
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_items_of_another_structure_or_type_name_the_item_and_the_field(tmp_path):
+    class Mixed(Dataset):
+        def __init__(self, odd: int, item: object) -> None:
+            self.odd, self.item = odd, item
+
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            return self.item if index == self.odd else (torch.zeros(2), torch.ones(2))
+
+    with pytest.raises(lt.DataError) as refused:  # as many fields, in a list instead of a tuple
+        prepare_cache(Mixed(5, [torch.zeros(2), torch.ones(2)]), tmp_path / "a", "s", "train_data")
+    refusal = "train_data item 5 is structured differently from item 0; a cache needs one layout"
+    assert str(refused.value) == refusal
+    for odd in (0, 5):
+        with pytest.raises(lt.DataError) as refused:
+            prepare_cache(Mixed(odd, (torch.zeros(2), "text")), tmp_path / f"b{odd}", "s", "train_data")
+        assert str(refused.value).startswith(f"train_data item {odd}[1] is a str: a cache stores tensors, ")
+
+
+def test_a_file_where_the_cache_goes_is_refused_and_one_item_is_a_cache(tmp_path):
+    (tmp_path / "file").write_text("kept")
+    with pytest.raises(CacheError) as refused:
+        prepare_cache(Records(size=1), tmp_path / "file", "s", "train_data")
+    assert str(refused.value) == f"cache {tmp_path / 'file'} is a file, not a folder"
+    assert (tmp_path / "file").read_text() == "kept"
+    one = TensorDataset(torch.tensor([[1.0, 2.0]]))  # item 1 is an IndexError
+    cached, _ = prepare_cache(one, tmp_path / "one", "s", "train_data")
+    assert len(cached) == 1 and torch.equal(cached[0][0], one[0][0])
+
+
+def test_each_array_file_holds_its_array_and_nothing_more_and_workers_load_the_items(tmp_path):
+    """Its space is reserved, not grown past the array; with workers, the items are loaded in them."""
+    main = os.getpid()
+
+    class WhereLoaded(Records):
+        def __getitem__(self, index):
+            return (*super().__getitem__(index), os.getpid() != main)
+
+    cached, _ = prepare_cache(WhereLoaded(), tmp_path / "c", "s", "train_data", num_workers=2)
+    for path in sorted((tmp_path / "c").glob("leaf*.npy")):
+        array = np.load(path, mmap_mode="r")
+        assert path.stat().st_size == array.offset + array.nbytes, path.name
+    assert WhereLoaded()[0][2] is False  # here, in this process
+    assert all(cached[index][2] is True for index in range(len(cached)))  # each loaded in a worker
 
 
 def test_items_of_different_shapes_name_the_item(tmp_path):

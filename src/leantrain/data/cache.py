@@ -245,7 +245,7 @@ def prepare_cache(
 
 
 def build_cache(
-    dataset: Dataset, folder: Path, expected: dict[str, Any], name: str, num_workers: int = 0
+    dataset: Dataset, folder: Path, expected: dict[str, Any], name: str, num_workers: int
 ) -> dict[str, Any]:
     """Load every item once (in worker processes) and store it in ``folder``; returns the manifest."""
     if folder.exists() and not folder.is_dir():
@@ -278,14 +278,12 @@ def build_cache(
             index += 1
     for array in arrays:
         array.flush()
-    nbytes = sum(array.nbytes for array in arrays)
     del arrays
     manifest = {
         "format": FORMAT,
         "fingerprint": expected,
         "structure": structure,
         "leaves": [{"kind": leaf.kind, "dtype": leaf.dtype, "shape": list(leaf.shape)} for leaf in leaves],
-        "bytes": nbytes,
         "build_seconds": round(time.perf_counter() - started, 3),
     }
     atomic_write_json(folder / MANIFEST, manifest)  # last: its presence marks a complete cache
@@ -305,7 +303,7 @@ def _allocated_array(path: Path, leaf: Leaf, size: int) -> np.memmap:
 def _check_same_layout(
     name: str, index: int, structure: Any, leaves: list[Leaf], item_structure: Any, item_leaves: list
 ) -> None:
-    if item_structure != structure or len(item_leaves) != len(leaves):
+    if item_structure != structure:  # the same structure numbers the same leaves
         raise DataError(
             f"{name} item {index} is structured differently from item 0; a cache needs one layout"
         )
