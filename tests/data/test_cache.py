@@ -109,6 +109,52 @@ def test_a_cache_of_other_data_is_refused_naming_the_folder(tmp_path):
         prepare_cache(Records(size=21), folder, "test:train", "train_data")
 
 
+def test_the_fingerprint_is_the_first_middle_and_last_items_the_class_and_the_length(tmp_path):
+    """docs/data.md: a SHA-256 of three items (the first, middle and last), the dataset's class and length."""
+
+    class Changed(Records):
+        def __init__(self, changed: int | None = None, size: int = 9) -> None:
+            super().__init__(size=size)
+            self.changed = changed
+
+        def __getitem__(self, index):
+            item = super().__getitem__(index)
+            return (item[0] + 1, item[1]) if index == self.changed else item
+
+    folder = tmp_path / "c"
+    prepare_cache(Changed(), folder, "s", "train_data")
+    assert prepare_cache(Changed(changed=3), folder, "s", "train_data")[1] is None  # not one of the three
+    for hashed in (0, 4, 8):
+        with pytest.raises(CacheError, match=r"holds other data \(items_sha256 "):
+            prepare_cache(Changed(changed=hashed), folder, "s", "train_data")
+
+    class Renamed(Changed):
+        pass
+
+    with pytest.raises(CacheError) as refused:  # another class, and another length: both said
+        prepare_cache(Renamed(size=10), folder, "s", "train_data")
+    names = [f"{__name__}.{kind.__qualname__}" for kind in (Changed, Renamed)]
+    differ = f"dataset '{names[0]}' != '{names[1]}', size 9 != 10"
+    assert str(refused.value).startswith(f"cache {folder} holds other data ({differ}, items_sha256 ")
+    with pytest.raises(lt.DataError) as refused:
+        prepare_cache(Records(size=0), tmp_path / "empty", "test:train", "train_data")
+    assert str(refused.value) == "test:train is empty: nothing to cache"
+
+
+def test_a_missing_cache_is_an_error_where_it_may_not_be_built(tmp_path):
+    with pytest.raises(CacheError) as refused:
+        prepare_cache(Records(), tmp_path / "c", "s", "train_data", build=False)
+    refusal = "is not complete; it should have been built by rank 0"
+    assert str(refused.value) == f"cache {tmp_path / 'c'} {refusal}"
+
+
+def test_a_datasets_dict_of_splits_is_named_as_the_tasks_data(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"x": [1.0, 2.0]})})
+    with pytest.raises(lt.LeantrainError, match=r"^val_data is a datasets.DatasetDict \(splits: train\)"):
+        prepare_cache(splits, tmp_path / "c", "s", "val_data")
+
+
 def test_a_cache_of_another_format_or_an_unreadable_manifest_is_refused(tmp_path):
     folder = tmp_path / "c"
     prepare_cache(Records(), folder, "s", "train_data")
