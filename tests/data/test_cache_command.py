@@ -21,13 +21,15 @@ BUILT = r"built in \d+\.\d s with {} worker\(s\)"
 
 
 class ValidationOnly(RegressionTask):
-    """No training data, only validation data: the cache holds the one split there is."""
+    """No training data, only validation data (1,024 items of two rows of 64 float64 values: 1.0 MiB): the
+    cache holds the one split there is."""
 
     def train_data(self):
         return None
 
     def val_data(self):
-        return TensorDataset(torch.arange(12.0).reshape(6, 2), torch.zeros(6, 1))
+        values = torch.arange(65536.0, dtype=torch.float64).reshape(1024, 64)
+        return TensorDataset(values, torch.ones(1024, 64, dtype=torch.float64))
 
 
 @pytest.fixture
@@ -62,11 +64,11 @@ def test_each_split_is_built_with_the_workers_asked_for_then_found_complete(cach
     task = ["--task", "tests.data.test_cache_command:ValidationOnly"]
     code, built = cache_in(*task, "--out", "c")  # --num-workers auto: a share of the CPUs for one process
     assert code == 0 and asked == [1]
-    assert len(built) == 1 and re.fullmatch(rf"c/val: 6 items, 0\.0 MiB, {BUILT.format(0)}", built[0])
+    assert len(built) == 1 and re.fullmatch(rf"c/val: 1,024 items, 1\.0 MiB, {BUILT.format(0)}", built[0])
     assert cache_in.calls == [("c/val", "val_data", 0)]  # no training data: nothing else is cached
     assert cache_in(*task, "--out", "c", "--num-workers", "1") == (
         0,
-        ["c/val: 6 items, 0.0 MiB, already complete"],
+        ["c/val: 1,024 items, 1.0 MiB, already complete"],
     )
 
     # A task without validation data (RegressionTask has no val_data), on one worker process.
