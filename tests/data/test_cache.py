@@ -214,10 +214,13 @@ def test_each_array_file_holds_its_array_and_nothing_more_and_workers_load_the_i
         def __getitem__(self, index):
             return (*super().__getitem__(index), os.getpid() != main)
 
-    cached, _ = prepare_cache(WhereLoaded(), tmp_path / "c", "s", "train_data", num_workers=2)
+    cached, manifest = prepare_cache(WhereLoaded(), tmp_path / "c", "s", "train_data", num_workers=2)
+    held = 0
     for path in sorted((tmp_path / "c").glob("leaf*.npy")):
         array = np.load(path, mmap_mode="r")
         assert path.stat().st_size == array.offset + array.nbytes, path.name
+        held += array.nbytes
+    assert manifest["bytes"] == held == cached.nbytes  # cache.json says what the arrays hold
     assert WhereLoaded()[0][2] is False  # here, in this process
     assert all(cached[index][2] is True for index in range(len(cached)))  # each loaded in a worker
 

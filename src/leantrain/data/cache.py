@@ -278,12 +278,14 @@ def build_cache(
             index += 1
     for array in arrays:
         array.flush()
+    nbytes = sum(array.nbytes for array in arrays)
     del arrays
     manifest = {
         "format": FORMAT,
         "fingerprint": expected,
         "structure": structure,
         "leaves": [{"kind": leaf.kind, "dtype": leaf.dtype, "shape": list(leaf.shape)} for leaf in leaves],
+        "bytes": nbytes,  # what the arrays hold (benchmarks/data.py reads it)
         "build_seconds": round(time.perf_counter() - started, 3),
     }
     atomic_write_json(folder / MANIFEST, manifest)  # last: its presence marks a complete cache
