@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -214,13 +215,18 @@ def test_each_array_file_holds_its_array_and_nothing_more_and_workers_load_the_i
         def __getitem__(self, index):
             return (*super().__getitem__(index), os.getpid() != main)
 
+    started = time.perf_counter()
     cached, manifest = prepare_cache(WhereLoaded(), tmp_path / "c", "s", "train_data", num_workers=2)
+    assert 0 <= manifest["build_seconds"] <= time.perf_counter() - started
     held = 0
-    for path in sorted((tmp_path / "c").glob("leaf*.npy")):
+    for number, path in enumerate(sorted((tmp_path / "c").glob("leaf*.npy"))):
         array = np.load(path, mmap_mode="r")
         assert path.stat().st_size == array.offset + array.nbytes, path.name
+        leaf = manifest["leaves"][number]  # cache.json describes each array as it is
+        assert (leaf["dtype"], leaf["shape"]) == (array.dtype.name, list(array.shape[1:]))
         held += array.nbytes
-    assert manifest["bytes"] == held == cached.nbytes  # cache.json says what the arrays hold
+    assert manifest["bytes"] == held == cached.nbytes
+    assert all(isinstance(array, np.memmap) for array in cached.arrays)  # mapped, not read into memory
     assert WhereLoaded()[0][2] is False  # here, in this process
     assert all(cached[index][2] is True for index in range(len(cached)))  # each loaded in a worker
 
