@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 from tests.mutation_run import (
     changed_test_files,
     check_again,
+    compile_ahead,
     files_reaching,
     forget_tests,
     functions_now,
@@ -317,3 +319,19 @@ def test_a_launched_process_records_its_hits_under_the_c_locale(tmp_path):
     subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=120)
     (hits,) = tmp_path.glob("*.hits")
     assert hits.read_text(encoding="utf-8") == "tests/test_café.py::test_page\tleantrain.m.xǁPǁf\n"
+
+
+def test_the_mutated_copy_is_compiled_ahead_where_python_writes_no_byte_code(tmp_path):
+    """Bug: each process a test starts compiles the mutated source again (3 s of CPU a process)."""
+    names = ("src/leantrain/cli.py", "tests/distributed/tasks.py")
+    for name in names:
+        (tmp_path / name).parent.mkdir(parents=True)
+        (tmp_path / name).write_text("x = 1\n")
+    compile_ahead(tmp_path)
+    for name in names:
+        source = (tmp_path / name).stat()
+        header = Path(importlib.util.cache_from_source(str(tmp_path / name))).read_bytes()[:16]
+        # What an import checks before it uses the byte-code: the source's time and size, as they are.
+        assert header[:4] == importlib.util.MAGIC_NUMBER, name
+        assert int.from_bytes(header[8:12], "little") == int(source.st_mtime), name
+        assert int.from_bytes(header[12:16], "little") == source.st_size, name
