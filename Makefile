@@ -27,9 +27,12 @@ demo: $(STAMP)
 # idle worker takes tests queued on a busy one instead of waiting), then the tests marked
 # `serial` alone (they measure time). pytest exits 5 when it collected no test: that is a
 # failure, not a pass (the serial part may select none). The `slurm` tests run in `make test-slurm`.
+# The byte-code is written first: where PYTHONDONTWRITEBYTECODE is set (CI machines, containers) Python
+# writes none, and each of the hundreds of processes the tests start would compile leantrain again.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
+	@$(PY) -m compileall -q src tests
 	@$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial and not slurm" $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; \
 	  $(PY) -m pytest -m serial $(PYTEST_ARGS); serial=$$?; \
