@@ -25,17 +25,19 @@ demo: $(STAMP)
 # Lint first (cheap), then the suite on TEST_WORKERS processes (pytest-xdist: while one test
 # starts its interpreters or waits on a launch, another uses the CPU; `worksteal`, so that an
 # idle worker takes tests queued on a busy one instead of waiting), then the tests marked
-# `serial` alone (they measure time). pytest exits 5 when it collected no test: that is a
+# `serial` alone (they measure time), collected from the test files that name the marker (collecting
+# every file again costs that part 5 s). pytest exits 5 when it collected no test: that is a
 # failure, not a pass (the serial part may select none). The `slurm` tests run in `make test-slurm`.
 # The byte-code is written first: where PYTHONDONTWRITEBYTECODE is set (CI machines, containers) Python
 # writes none, and each of the hundreds of processes the tests start would compile leantrain again.
 TEST_WORKERS ?= 2
+SERIAL_TEST_FILES = $(shell grep -rlw serial tests --include='test_*.py')
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	@$(PY) -m compileall -q src tests
 	@$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial and not slurm" $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; \
-	  $(PY) -m pytest -m serial $(PYTEST_ARGS); serial=$$?; \
+	  $(PY) -m pytest -m serial $(SERIAL_TEST_FILES) $(PYTEST_ARGS); serial=$$?; \
 	  if [ $$serial -ne 0 ] && [ $$serial -ne 5 ]; then exit $$serial; fi; exit $$rc
 
 # The tests against a real SLURM (tests/slurm, about 2 min): Debian's SLURM and munge are installed

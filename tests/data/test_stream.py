@@ -45,7 +45,18 @@ def stream_batches(dataset, plan, steps, rank, workers, start_step=0):
     shard = GlobalBatchShard(
         StreamPlan(dataset, "train_data", plan.global_batch_size), "train_data", plan, steps, rank, start_step
     )
-    return list(DataLoader(shard, batch_size=None, num_workers=workers))
+    return every_batch(DataLoader(shard, batch_size=None, num_workers=workers))
+
+
+def every_batch(loader: DataLoader) -> list:
+    """Every batch ``loader`` gives, its workers stopped at once even when a read fails: otherwise the
+    failure's traceback keeps them until the collector stops them, 5 s each, in a later test (see
+    leantrain.data.loader.stop_workers)."""
+    batches = iter(loader)
+    try:
+        return list(batches)
+    finally:
+        getattr(batches, "_shutdown_workers", lambda: None)()  # absent without workers
 
 
 def map_batches(size, plan, steps, rank, workers, start_step=0):
