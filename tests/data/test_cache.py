@@ -91,9 +91,9 @@ def test_an_interrupted_build_is_never_taken_for_a_complete_cache(tmp_path):
     folder = tmp_path / "c"
     broken = Records(fail_at=13)
     with pytest.raises(lt.DataError, match="train_data item 13 failed"):
-        build_cache(broken, folder, fingerprint(Records(), "s"), "train_data", 0)
+        build_cache(broken, folder, fingerprint(Records(), "s", "train_data"), "train_data", 0)
     assert (folder / "leaf0.npy").exists() and not (folder / MANIFEST).exists()
-    assert open_cache(folder, fingerprint(Records(), "s")) is None
+    assert open_cache(folder, fingerprint(Records(), "s", "train_data")) is None
     cached, built = prepare_cache(Records(), folder, "s", "train_data")  # built again, from scratch
     assert built is not None
     assert_same_item(cached[13], Records()[13])
@@ -245,10 +245,10 @@ def test_the_fingerprint_ignores_the_callers_random_state_and_restores_it():
             return (item[0] + torch.rand(4), item[1])
 
     torch.manual_seed(5)
-    first = fingerprint(Noisy(), "s")
+    first = fingerprint(Noisy(), "s", "train_data")
     expected_next = torch.rand(1)
     torch.manual_seed(5)
-    assert fingerprint(Noisy(), "s") == first
+    assert fingerprint(Noisy(), "s", "train_data") == first
     assert torch.equal(torch.rand(1), expected_next)
 
 

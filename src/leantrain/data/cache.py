@@ -98,7 +98,7 @@ def task_source(task: Any, split: str) -> str:
     return f"{kind.__module__}.{kind.__qualname__}:{split}"
 
 
-def fingerprint(dataset: Dataset, source: str, name: str = "dataset") -> dict[str, Any]:
+def fingerprint(dataset: Dataset, source: str, name: str) -> dict[str, Any]:
     """What identifies the data: its source, type, length and a hash of three items.
 
     The items are loaded under a fixed seed (the caller's random state is restored after),
