@@ -7,6 +7,7 @@ model is small (three residual blocks, float64) to keep compile time to seconds.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -175,6 +176,11 @@ def test_each_place_the_compiler_recompiles_or_breaks_is_reported_once():
     breaks = [event for event in reported if event.kind == "graph break"]
     assert breaks and breaks[0].where.endswith(f"tasks.py:{_line_of('.item() > 1e6')}")
     assert "item()" in breaks[0].reason
+    # rows 4, then 3: the frame of the block's forward compiled again, its guard on x's first size failed
+    recompiled = [event for event in reported if event.kind == "recompilation"]
+    forward = inspect.getsourcelines(Residual.forward)[1]
+    assert recompiled and recompiled[0].where.endswith(f"tasks.py:{forward}")
+    assert recompiled[0].reason == "tensor 'x' size mismatch at index 0. expected 4, actual 3"
 
 
 def test_the_doctor_reports_a_graph_break_by_file_and_line(tmp_path):
