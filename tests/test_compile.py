@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from leantrain.config import TrainConfig
 from leantrain.diagnose.doctor import run_doctor
 from leantrain.diagnose.report import render_html
 from leantrain.errors import ConfigError
-from leantrain.step.compilation import CompileWatch, compile_model
+from leantrain.step.compilation import CompilerEvent, CompileWatch, _Collector, compile_model
 from tests.distributed.conftest import fit_here
 from tests.distributed.tasks import Residual, block_regression_reading_back
 
@@ -181,6 +182,13 @@ def test_each_place_the_compiler_recompiles_or_breaks_is_reported_once():
     forward = inspect.getsourcelines(Residual.forward)[1]
     assert recompiled and recompiled[0].where.endswith(f"tasks.py:{forward}")
     assert recompiled[0].reason == "tensor 'x' size mismatch at index 0. expected 4, actual 3"
+
+
+def test_a_compiler_message_without_text_is_a_graph_break_at_an_unknown_place():
+    """Bug: an empty message read as lines raises in the log handler (logging prints its traceback)."""
+    events = []
+    _Collector(events.append).emit(logging.LogRecord("torch._dynamo", logging.DEBUG, "", 0, "", None, None))
+    assert events == [CompilerEvent("graph break", "unknown", "unsupported code")]
 
 
 def test_the_doctor_reports_a_graph_break_by_file_and_line(tmp_path):
