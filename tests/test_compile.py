@@ -24,7 +24,7 @@ from leantrain.config import TrainConfig
 from leantrain.diagnose.doctor import run_doctor
 from leantrain.diagnose.report import render_html
 from leantrain.errors import ConfigError
-from leantrain.step.compilation import CompilerEvent, CompileWatch, _Collector, compile_model
+from leantrain.step.compilation import CompilerEvent, CompileWatch, _Collector, _reason, compile_model
 from tests.distributed.conftest import fit_here
 from tests.distributed.tasks import Residual, block_regression_reading_back
 
@@ -189,6 +189,17 @@ def test_a_compiler_message_without_text_is_a_graph_break_at_an_unknown_place():
     events = []
     _Collector(events.append).emit(logging.LogRecord("torch._dynamo", logging.DEBUG, "", 0, "", None, None))
     assert events == [CompilerEvent("graph break", "unknown", "unsupported code")]
+
+
+def test_a_recompilations_reason_is_its_newest_failed_guard_in_each_torch_format():
+    """torch 2.13 names the frame ("0/1: ") and adds the guard's source after "  #"; older releases did
+    neither. Without a failed guard listed, the reason says so."""
+    newest = "- 0/1: tensor 'x' size mismatch at index 0. expected 8, actual 5  # x.size()[0] == 8"
+    message = f"Recompiling function forward in m.py:3\n  triggered by:\n    {newest}\n    - 0/0: grad_mode"
+    assert _reason("recompilation", message) == "tensor 'x' size mismatch at index 0. expected 8, actual 5"
+    older = "Recompiling function forward in m.py:3\n    - tensor 'x' size mismatch at index 0. expected 8"
+    assert _reason("recompilation", older) == "tensor 'x' size mismatch at index 0. expected 8"
+    assert _reason("recompilation", "Recompiling function forward in m.py:3") == "guards failed"
 
 
 def test_the_doctor_reports_a_graph_break_by_file_and_line(tmp_path):
