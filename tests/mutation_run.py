@@ -361,6 +361,9 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist processes of the first record")
     args = parser.parse_args()
     os.chdir(ROOT)  # mutmut reads pyproject.toml and writes mutants/ here
+    # Two mutants at a time and the ranks they launch share the cores: OpenMP's threads wait asleep, not
+    # spinning on the CPU the others need (as in `make test`; set before any process loads OpenMP).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.full:
         shutil.rmtree(MUTANTS, ignore_errors=True)
     record_again = invalidate_changed_tests()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import leantrain as lt
 from leantrain.strategies.ddp import _buckets
@@ -25,7 +25,13 @@ def test_a_comm_hook_is_registered_again_on_the_fresh_wrapper_after_an_out_of_me
 
         def counted(state, bucket):
             calls.append(1)
-            return allreduce_hook(state, bucket)
+            # Reduced here and returned done: allreduce_hook's callback would run on gloo's thread, which
+            # may still hold it when the test ends and the group is destroyed with the interpreter held,
+            # a deadlock seen once in `make test`.
+            dist.all_reduce(bucket.buffer())
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
 
         strategy.register_comm_hook(counted)
         first = strategy.module
