@@ -173,7 +173,11 @@ def test_each_place_the_compiler_recompiles_or_breaks_is_reported_once():
     kinds = [(event.kind, event.where) for event in reported]
     assert len(kinds) == len(set(kinds))  # once per kind and place ...
     counted = {(event.kind, event.where): event.count for event in watch.events}
-    assert max(counted.values()) > 1  # ... however often it happened there
+    # ... however often it happened there: the break in each of the 2 compilations, 1 recompilation
+    assert sorted((kind, count) for (kind, _), count in counted.items()) == [
+        ("graph break", 2),
+        ("recompilation", 1),
+    ]
     breaks = [event for event in reported if event.kind == "graph break"]
     assert breaks and breaks[0].where.endswith(f"tasks.py:{_line_of('.item() > 1e6')}")
     assert "item()" in breaks[0].reason
@@ -200,6 +204,19 @@ def test_a_recompilations_reason_is_its_newest_failed_guard_in_each_torch_format
     older = "Recompiling function forward in m.py:3\n    - tensor 'x' size mismatch at index 0. expected 8"
     assert _reason("recompilation", older) == "tensor 'x' size mismatch at index 0. expected 8"
     assert _reason("recompilation", "Recompiling function forward in m.py:3") == "guards failed"
+    changed = "Recompiling function forward in m.py:3\n    - 0/2: GLOBAL_STATE changed: grad_mode"
+    assert _reason("recompilation", changed) == "GLOBAL_STATE changed: grad_mode"  # only the frame cut off
+
+
+def test_a_graph_breaks_reason_is_the_specific_cause_torch_gives_after_its_generic_line():
+    head = "Graph break in user code at m.py:3"
+    generic = "Graph Break Reason: Encountered graph break when attempting to trace CALL: a call"
+    cause = "Unsupported Tensor.item() call with capture_scalar_outputs=False"
+    assert _reason("graph break", f"{head}\n{generic}\n\n{cause}\nUser code traceback:") == cause
+    specific = f"{head}\nGraph Break Reason: data-dependent branching\nUser code traceback:\n  File m.py"
+    assert _reason("graph break", specific) == "data-dependent branching"
+    assert _reason("graph break", f"{head}\n\n{cause}") == cause  # no reason line: the first after the head
+    assert _reason("graph break", head) == "unsupported code"
 
 
 def test_the_doctor_reports_a_graph_break_by_file_and_line(tmp_path):
