@@ -217,6 +217,8 @@ def test_a_graph_breaks_reason_is_the_specific_cause_torch_gives_after_its_gener
     assert _reason("graph break", specific) == "data-dependent branching"
     assert _reason("graph break", f"{head}\n\n{cause}") == cause  # no reason line: the first after the head
     assert _reason("graph break", head) == "unsupported code"
+    assert _reason("graph break", f"{head}\n{generic}\n{cause}") == cause  # the cause ends the message
+    assert _reason("graph break", f"{head}\n{generic}") == generic.removeprefix("Graph Break Reason: ")
 
 
 def test_the_doctor_reports_a_graph_break_by_file_and_line(tmp_path):
