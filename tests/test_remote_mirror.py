@@ -439,3 +439,11 @@ def test_a_refused_listing_while_fetching_names_the_checkpoints_folder(tmp_path,
     warned = []
     assert elsewhere.newest_valid(warned.append) is None
     assert warned == [f"skipping {url}/checkpoints: the storage refused to list (permission: denied)"]
+
+
+def test_a_download_of_a_missing_object_is_one_line_naming_its_url_and_leaves_no_file(tmp_path, url):
+    folder = RemoteFolder(url)
+    with pytest.raises(StorageError) as refused:
+        folder.get("checkpoints/step-00000002.pt", tmp_path / "local" / "step.pt")
+    assert str(refused.value).startswith(f"{url}/checkpoints/step-00000002.pt: could not read: not found (")
+    assert list((tmp_path / "local").iterdir()) == []  # nor its partial download
