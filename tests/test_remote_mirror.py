@@ -4,6 +4,7 @@ of its methods made to raise. (The same against an S3 API over HTTP: tests/test_
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -447,3 +448,21 @@ def test_a_download_of_a_missing_object_is_one_line_naming_its_url_and_leaves_no
         folder.get("checkpoints/step-00000002.pt", tmp_path / "local" / "step.pt")
     assert str(refused.value).startswith(f"{url}/checkpoints/step-00000002.pt: could not read: not found (")
     assert list((tmp_path / "local").iterdir()) == []  # nor its partial download
+
+
+def test_a_url_is_checked_for_its_package_its_scheme_and_a_bucket_before_anything_starts():
+    """Bugs: the missing package or the field not named, the scheme read from past a second "://", a URL
+    of slashes alone taken for a bucket."""
+    from leantrain.remote import check_url
+
+    if importlib.util.find_spec("gcsfs") is None:  # not among leantrain's test dependencies
+        with pytest.raises(ConfigError) as refused:
+            check_url("gs://bucket/run", "out_dir")
+        assert str(refused.value) == (
+            "invalid out_dir='gs://bucket/run': needs the gcsfs package: pip install 'leantrain[gcs]'"
+        )
+    check_url("memory://bucket/run://in-a-name", "out_dir")  # the scheme is before the first "://"
+    check_url("MEMORY://bucket", "out_dir")
+    with pytest.raises(ConfigError) as refused:
+        check_url("memory:///", "cache")
+    assert str(refused.value) == "invalid cache='memory:///': names no bucket or folder"
